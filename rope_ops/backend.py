@@ -1,0 +1,215 @@
+"""The backend contract: what a rope_ops backend declares and what it must compute.
+
+A backend is a class registered under the entry-point group ``rope_ops.backends``; rope_ops
+instantiates it once per process (stevedore ``invoke_on_load``). It declares its capabilities as
+class attributes, says why it cannot run (``availability()`` for the environment, ``supports(call)``
+for one kind of call; both return lists of reasons, empty meaning yes), and computes with
+``run(args)``, which writes the rotated result into ``args.q_out`` / ``args.k_out``.
+
+The forward (RotaryEmbedding) and the backward (RotaryEmbeddingGrad) are the same ``run``: the
+backward passes ``inverse=True`` (rotation by minus the angle) with the output gradients as inputs.
+
+``run`` receives validated arguments only (rope_ops checks everything in SPEC "Bad input" first);
+it must not read data in ``supports``, must not assert, and must never read outside ``cos``/``sin``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, NamedTuple
+
+import torch
+
+# Layouts as the dims (batch, seq, head, dim) of the tensor; thd has no batch dim.
+LAYOUT_DIMS: dict[str, tuple[int | None, int, int, int]] = {
+    "bshd": (0, 1, 2, 3),
+    "sbhd": (1, 0, 2, 3),
+    "bhsd": (0, 2, 1, 3),
+    "thd": (None, 0, 1, 2),
+}
+LAYOUTS = tuple(LAYOUT_DIMS)
+STYLES = ("neox", "gptj")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class RopeCall(NamedTuple):
+    """Metadata of one kind of call: all a backend may look at to accept or refuse it.
+
+    It is also the key of the selection cache, so it holds no sizes that change from call to
+    call (token counts), only what decides whether a backend can take the call.
+    """
+
+    device_type: str
+    dtype: torch.dtype
+    layout: str
+    style: str
+    head_dim: int
+    rotary_dim: int
+    q_heads: int
+    k_heads: int  # 0 when k is None
+    inplace: bool
+    pos_dtype: torch.dtype | None  # None: positions given as a Python int offset
+    caller_tables: bool  # cos/sin supplied by the caller (no inv_freq to fall back on)
+    needs_grad: bool  # the call records a backward
+    last_dim_contiguous: bool  # q and k (and k) have stride 1 on the head_dim axis
+
+
+class KernelArgs(NamedTuple):
+    """Everything ``run`` needs, validated.
+
+    Tensors are in the caller's layout (see ``LAYOUT_DIMS``); ``bshd_view`` turns any of them into
+    a strided ``[B, S, H, D]`` view without copying.
+    """
+
+    q: torch.Tensor  # input, any strides
+    k: torch.Tensor | None
+    q_out: torch.Tensor  # where to write; ``q`` itself when in place
+    k_out: torch.Tensor | None
+    pos: torch.Tensor | None  # int32/int64 [B,S], [S] (shared by the batch) or [T] (thd); None: offset
+    pos_offset: int  # when pos is None, token s has position pos_offset + s
+    cos: torch.Tensor  # float32 [P, rotary_dim/2], contiguous, m*cos(theta(p, i)) for p < P
+    sin: torch.Tensor  # float32 [P, rotary_dim/2], contiguous, m*sin(theta(p, i))
+    # Frequencies as fixed-point turns: frac(inv_freq[i] / 2pi) * 2^64 stored as a wrapped int64,
+    # so p * freq_turns[i] (wrapping int64 product) is the angle of any integer position p as a
+    # 64-bit fraction of a turn, exactly. None for caller tables: then rows outside [0, P) are NaN.
+    freq_turns: torch.Tensor | None
+    attention_factor: float  # m, applied to positions computed on the fly
+    layout: str
+    rotary_dim: int
+    interleaved: bool  # gptj pairs (2i, 2i+1); neox pairs (i, i + r/2)
+    inverse: bool  # rotate by minus the angle (the backward)
+    inplace: bool  # q_out is q: write only the rotary dims
+
+
+class Backend:
+    """Base class with declarative capabilities; subclasses override what differs."""
+
+    name: ClassVar[str] = ""
+    # Higher wins in automatic selection; the torch fallback has 0.
+    priority: ClassVar[int] = 0
+    device_types: ClassVar[frozenset[str]] = frozenset()
+    # Devices on which automatic selection may pick this backend (a subset of device_types);
+    # others need the backend named explicitly.
+    auto_device_types: ClassVar[frozenset[str] | None] = None
+    dtypes: ClassVar[frozenset[torch.dtype]] = frozenset(FLOAT_DTYPES[:3])
+    layouts: ClassVar[frozenset[str]] = frozenset(LAYOUTS)
+    styles: ClassVar[frozenset[str]] = frozenset(STYLES)
+    min_head_dim: ClassVar[int] = 2
+    max_head_dim: ClassVar[int] = 1 << 30
+    supports_backward: ClassVar[bool] = True
+    supports_inplace: ClassVar[bool] = True
+    supports_caller_tables: ClassVar[bool] = True
+    requires_last_dim_contiguous: ClassVar[bool] = False
+
+    def availability(self) -> list[str]:
+        """Why this backend cannot run in this process at all (missing SDK, no device...)."""
+        return []
+
+    def supports(self, call: RopeCall) -> list[str]:
+        """Why this backend cannot take this kind of call. Metadata only, never data."""
+        reasons = []
+        if call.device_type not in self.device_types:
+            reasons.append(f"device {call.device_type!r} not in {sorted(self.device_types)}")
+        if call.dtype not in self.dtypes:
+            reasons.append(f"dtype {call.dtype} not in {sorted(str(d) for d in self.dtypes)}")
+        if call.layout not in self.layouts:
+            reasons.append(f"layout {call.layout!r} not in {sorted(self.layouts)}")
+        if call.style not in self.styles:
+            reasons.append(f"style {call.style!r} not in {sorted(self.styles)}")
+        if not self.min_head_dim <= call.head_dim <= self.max_head_dim:
+            reasons.append(
+                f"head_dim {call.head_dim} outside [{self.min_head_dim}, {self.max_head_dim}]"
+            )
+        if call.needs_grad and not self.supports_backward:
+            reasons.append("no backward")
+        if call.inplace and not self.supports_inplace:
+            reasons.append("no in-place")
+        if call.caller_tables and not self.supports_caller_tables:
+            reasons.append("no caller-supplied cos/sin tables")
+        if self.requires_last_dim_contiguous and not call.last_dim_contiguous:
+            reasons.append("needs stride 1 on head_dim")
+        return reasons
+
+    def run(self, args: KernelArgs) -> None:
+        """Write the rotation of args.q (args.k) into args.q_out (args.k_out)."""
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """Capabilities, for ``python -m rope_ops info``."""
+        return {
+            "priority": self.priority,
+            "devices": sorted(self.device_types),
+            "auto_devices": sorted(self.auto_devices()),
+            "dtypes": [str(d).replace("torch.", "") for d in sorted(self.dtypes, key=str)],
+            "layouts": sorted(self.layouts),
+            "styles": sorted(self.styles),
+            "head_dim": [self.min_head_dim, self.max_head_dim],
+            "backward": self.supports_backward,
+            "inplace": self.supports_inplace,
+            "caller_tables": self.supports_caller_tables,
+        }
+
+    def auto_devices(self) -> frozenset[str]:
+        return self.device_types if self.auto_device_types is None else self.auto_device_types
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared by backends written in Python.
+
+
+def bshd_view(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A strided [B, S, H, D] view of a tensor in ``layout`` (thd becomes B = 1). No copy."""
+    if layout == "bshd":
+        return t
+    if layout == "thd":
+        return t.unsqueeze(0)
+    if layout == "sbhd":
+        return t.transpose(0, 1)
+    return t.transpose(1, 2)  # bhsd
+
+
+def positions_bs(args: KernelArgs, batch: int, seq: int) -> torch.Tensor:
+    """Positions as an int64 [B, S] tensor (a broadcast view where the input was shared)."""
+    if args.pos is None:
+        p = torch.arange(seq, device=args.q.device, dtype=torch.int64) + args.pos_offset
+        return p.expand(batch, seq)
+    p = args.pos.to(torch.int64)
+    if p.dim() == 1:
+        return p.expand(batch, seq)
+    return p
+
+
+def cos_sin_rows(args: KernelArgs, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (c, s) of shape positions.shape + [rotary_dim/2], honouring SPEC for any position.
+
+    Rows inside the table are gathered from it; other positions are computed on the fly from
+    ``freq_turns`` (exact fixed-point angle), or are NaN with caller tables. No host sync.
+    """
+    n_rows = args.cos.shape[0]
+    in_table = (positions >= 0) & (positions < n_rows)
+    index = torch.where(in_table, positions, torch.zeros_like(positions))
+    if n_rows == 0:
+        c = torch.zeros(*positions.shape, args.rotary_dim // 2, device=positions.device)
+        s = c
+    else:
+        c = args.cos[index]
+        s = args.sin[index]
+    if args.freq_turns is None:
+        fill_c = fill_s = torch.full((), float("nan"), device=positions.device)
+    else:
+        fill_c, fill_s = cos_sin_on_the_fly(positions, args.freq_turns, args.attention_factor)
+    mask = in_table.unsqueeze(-1)
+    return torch.where(mask, c, fill_c), torch.where(mask, s, fill_s)
+
+
+def cos_sin_on_the_fly(
+    positions: torch.Tensor, freq_turns: torch.Tensor, attention_factor: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """m*cos and m*sin of p * inv_freq from fixed-point turns, float32, accurate to ~3e-7 rad.
+
+    The wrapping int64 product p * freq_turns is the angle as a signed 64-bit fraction of a turn;
+    its top 32 bits, as a signed int32, give turns in [-1/2, 1/2) with 2^-32 resolution.
+    """
+    turns64 = positions.to(torch.int64).unsqueeze(-1) * freq_turns
+    top = torch.bitwise_right_shift(turns64, 32)  # arithmetic shift: signed turns * 2^32
+    angle = top.to(torch.float32) * (2.0 * torch.pi / 2.0**32)
+    return torch.cos(angle) * attention_factor, torch.sin(angle) * attention_factor
