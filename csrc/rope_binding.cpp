@@ -1,0 +1,256 @@
+// Torch binding of the rope_ops CUDA kernels: the ops rope_ops_cuda::rope and
+// rope_ops_cuda::set_tuning. Compiled only where a CUDA build of torch exists (by
+// rope_ops_backends.cuda_backend through torch.utils.cpp_extension.load).
+//
+// The binding turns each tensor of the caller's layout into a canonical [B, S, H, D] view
+// (sizes and element strides; layout codes as in _LAYOUT_CODES of the Python backend:
+// 0 bshd, 1 sbhd, 2 bhsd, 3 thd), fills a RopeParams and launches on the current stream.
+// rope_ops validated the call already; the checks here are cheap guards against misuse of the op
+// on its own (they never look at data and never synchronize).
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <optional>
+
+#include "rope_kernels.h"
+
+namespace {
+
+// (batch, seq, head, dim) axes of each layout; -1: no batch axis (thd).
+constexpr int kLayoutDims[4][4] = {
+    {0, 1, 2, 3},   // bshd
+    {1, 0, 2, 3},   // sbhd
+    {0, 2, 1, 3},   // bhsd
+    {-1, 0, 1, 2},  // thd
+};
+
+struct Canon {
+  int64_t B, S, H, D;
+  int64_t stride[4];
+};
+
+Canon canon(const at::Tensor& t, int64_t layout, const char* name) {
+  const int* dims = kLayoutDims[layout];
+  const int64_t rank = dims[0] < 0 ? 3 : 4;
+  TORCH_CHECK(t.dim() == rank, "rope_ops_cuda::rope: ", name, " must have ", rank,
+              " dims for this layout, got ", t.dim());
+  Canon c;
+  if (dims[0] < 0) {
+    c.B = 1;
+    c.stride[0] = 0;
+  } else {
+    c.B = t.size(dims[0]);
+    c.stride[0] = t.stride(dims[0]);
+  }
+  c.S = t.size(dims[1]);
+  c.stride[1] = t.stride(dims[1]);
+  c.H = t.size(dims[2]);
+  c.stride[2] = t.stride(dims[2]);
+  c.D = t.size(dims[3]);
+  c.stride[3] = t.stride(dims[3]);
+  return c;
+}
+
+int dtype_code(at::ScalarType st) {
+  switch (st) {
+    case at::kFloat:
+      return ROPE_F32;
+    case at::kHalf:
+      return ROPE_F16;
+    case at::kBFloat16:
+      return ROPE_BF16;
+    default:
+      TORCH_CHECK(false, "rope_ops_cuda::rope: dtype ", st,
+                  " not supported (float32, float16, bfloat16)");
+  }
+  return -1;
+}
+
+void check_same(const at::Tensor& a, const at::Tensor& b, const Canon& ca, const Canon& cb,
+                const char* name) {
+  TORCH_CHECK(b.device() == a.device() && b.scalar_type() == a.scalar_type(),
+              "rope_ops_cuda::rope: ", name, " must have q's dtype and device");
+  TORCH_CHECK(ca.B == cb.B && ca.S == cb.S && ca.H == cb.H && ca.D == cb.D,
+              "rope_ops_cuda::rope: ", name, " has a different shape from its input");
+}
+
+void rope_cuda(const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& q_out,
+               const std::optional<at::Tensor>& k_out, const std::optional<at::Tensor>& pos,
+               int64_t pos_offset, const at::Tensor& cos, const at::Tensor& sin,
+               const std::optional<at::Tensor>& freq_turns, double attention_factor,
+               int64_t layout, int64_t rotary_dim, bool interleaved, bool inverse, bool inplace) {
+  TORCH_CHECK(layout >= 0 && layout <= 3, "rope_ops_cuda::rope: layout code ", layout,
+              " not in 0..3 (bshd, sbhd, bhsd, thd)");
+  TORCH_CHECK(q.is_cuda(), "rope_ops_cuda::rope: q must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(q.device());
+
+  RopeParams p{};
+  p.dtype = dtype_code(q.scalar_type());
+  const Canon cq = canon(q, layout, "q");
+  const Canon cqo = canon(q_out, layout, "q_out");
+  check_same(q, q_out, cq, cqo, "q_out");
+  p.q = q.data_ptr();
+  p.q_out = q_out.data_ptr();
+  for (int i = 0; i < 4; ++i) {
+    p.q_stride[i] = cq.stride[i];
+    p.q_out_stride[i] = cqo.stride[i];
+  }
+  p.B = cq.B;
+  p.S = cq.S;
+  p.Hq = cq.H;
+  p.D = cq.D;
+
+  const bool has_k = k.has_value() && k->defined();
+  if (has_k) {
+    TORCH_CHECK(k_out.has_value() && k_out->defined(), "rope_ops_cuda::rope: k given without k_out");
+    const Canon ck = canon(*k, layout, "k");
+    const Canon cko = canon(*k_out, layout, "k_out");
+    check_same(*k, *k_out, ck, cko, "k_out");
+    TORCH_CHECK(k->device() == q.device() && k->scalar_type() == q.scalar_type(),
+                "rope_ops_cuda::rope: k must have q's dtype and device");
+    TORCH_CHECK(ck.B == cq.B && ck.S == cq.S && ck.D == cq.D,
+                "rope_ops_cuda::rope: k must match q in batch, seq and head_dim");
+    p.k = k->data_ptr();
+    p.k_out = k_out->data_ptr();
+    for (int i = 0; i < 4; ++i) {
+      p.k_stride[i] = ck.stride[i];
+      p.k_out_stride[i] = cko.stride[i];
+    }
+    p.Hk = ck.H;
+  }
+
+  TORCH_CHECK(rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= p.D,
+              "rope_ops_cuda::rope: rotary_dim must be even in (0, head_dim], got ", rotary_dim);
+  p.R = rotary_dim;
+  p.interleaved = interleaved ? 1 : 0;
+  p.inverse = inverse ? 1 : 0;
+  p.copy_passthrough = inplace ? 0 : 1;
+
+  if (pos.has_value() && pos->defined()) {
+    const at::Tensor& t = *pos;
+    TORCH_CHECK(t.device() == q.device(), "rope_ops_cuda::rope: pos must be on q's device");
+    TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong,
+                "rope_ops_cuda::rope: pos must be int32 or int64");
+    p.pos = t.data_ptr();
+    p.pos_kind = t.scalar_type() == at::kInt ? ROPE_POS_I32 : ROPE_POS_I64;
+    if (t.dim() == 1) {
+      TORCH_CHECK(t.size(0) == p.S || p.S == 0, "rope_ops_cuda::rope: pos has ", t.size(0),
+                  " entries, expected ", p.S);
+      p.pos_stride_b = 0;
+      p.pos_stride_s = t.stride(0);
+    } else {
+      TORCH_CHECK(t.dim() == 2 && t.size(0) == p.B && t.size(1) == p.S,
+                  "rope_ops_cuda::rope: pos must be [S] or [B, S]");
+      p.pos_stride_b = t.stride(0);
+      p.pos_stride_s = t.stride(1);
+    }
+  } else {
+    p.pos_kind = ROPE_POS_OFFSET;
+    p.pos_offset = pos_offset;
+  }
+
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+                  sin.sizes() == cos.sizes() && cos.size(1) == rotary_dim / 2 &&
+                  cos.device() == q.device() && sin.device() == q.device(),
+              "rope_ops_cuda::rope: cos/sin must be contiguous float32 [P, rotary_dim/2] on q's "
+              "device");
+  p.cos_table = cos.data_ptr<float>();
+  p.sin_table = sin.data_ptr<float>();
+  p.table_rows = cos.size(0);
+  if (freq_turns.has_value() && freq_turns->defined()) {
+    const at::Tensor& f = *freq_turns;
+    TORCH_CHECK(f.scalar_type() == at::kLong && f.is_contiguous() && f.numel() == rotary_dim / 2 &&
+                    f.device() == q.device(),
+                "rope_ops_cuda::rope: freq_turns must be contiguous int64 [rotary_dim/2] on q's "
+                "device");
+    p.freq_turns = f.data_ptr<int64_t>();
+  }
+  p.attention_factor = static_cast<float>(attention_factor);
+
+  const int device = q.get_device();
+  static std::array<int, 64> sm_cache{};  // multiprocessor count per device, 0: not yet known
+  int sms = device >= 0 && device < 64 ? sm_cache[device] : 0;
+  if (sms == 0) {
+    TORCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess,
+                "rope_ops_cuda::rope: cannot read the multiprocessor count of device ", device);
+    if (device >= 0 && device < 64) sm_cache[device] = sms;
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const cudaError_t err = rope_launch(&p, sms, stream);
+  TORCH_CHECK(err == cudaSuccess, "rope_ops_cuda::rope: kernel launch failed: ",
+              cudaGetErrorString(err));
+}
+
+// Meta / fake implementation: the op only writes into q_out / k_out, which already exist.
+void rope_meta(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+               const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
+               const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double,
+               int64_t, int64_t, bool, bool, bool) {}
+
+void set_tuning(int64_t max_heads_per_thread, int64_t min_threads_per_sm) {
+  rope_set_tuning(static_cast<int>(max_heads_per_thread), static_cast<int>(min_threads_per_sm));
+}
+
+int64_t pick_path(const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& q_out,
+                  const std::optional<at::Tensor>& k_out, int64_t layout, int64_t rotary_dim,
+                  bool interleaved, bool inplace, const at::Tensor& cos) {
+  // Which kernel a call with these tensors would take (1 fast, 2 generic); for the GPU check.
+  RopeParams p{};
+  p.dtype = dtype_code(q.scalar_type());
+  const Canon cq = canon(q, layout, "q");
+  const Canon cqo = canon(q_out, layout, "q_out");
+  p.q = q.data_ptr();
+  p.q_out = q_out.data_ptr();
+  for (int i = 0; i < 4; ++i) {
+    p.q_stride[i] = cq.stride[i];
+    p.q_out_stride[i] = cqo.stride[i];
+  }
+  p.B = cq.B;
+  p.S = cq.S;
+  p.Hq = cq.H;
+  p.D = cq.D;
+  if (k.has_value() && k->defined() && k_out.has_value() && k_out->defined()) {
+    const Canon ck = canon(*k, layout, "k");
+    const Canon cko = canon(*k_out, layout, "k_out");
+    p.k = k->data_ptr();
+    p.k_out = k_out->data_ptr();
+    for (int i = 0; i < 4; ++i) {
+      p.k_stride[i] = ck.stride[i];
+      p.k_out_stride[i] = cko.stride[i];
+    }
+    p.Hk = ck.H;
+  }
+  p.R = rotary_dim;
+  p.interleaved = interleaved ? 1 : 0;
+  p.copy_passthrough = inplace ? 0 : 1;
+  p.cos_table = cos.data_ptr<float>();
+  p.sin_table = cos.data_ptr<float>();
+  p.table_rows = cos.size(0);
+  return rope_pick_path(&p);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(rope_ops_cuda, m) {
+  m.def(
+      "rope(Tensor q, Tensor? k, Tensor(a!) q_out, Tensor(b!)? k_out, Tensor? pos, int pos_offset, "
+      "Tensor cos, Tensor sin, Tensor? freq_turns, float attention_factor, int layout, "
+      "int rotary_dim, bool interleaved, bool inverse, bool inplace) -> ()");
+  m.def("set_tuning(int max_heads_per_thread, int min_threads_per_sm) -> ()");
+  m.def(
+      "pick_path(Tensor q, Tensor? k, Tensor q_out, Tensor? k_out, int layout, int rotary_dim, "
+      "bool interleaved, bool inplace, Tensor cos) -> int");
+  m.impl("set_tuning", &set_tuning);
+}
+
+TORCH_LIBRARY_IMPL(rope_ops_cuda, CUDA, m) {
+  m.impl("rope", &rope_cuda);
+  m.impl("pick_path", &pick_path);
+}
+
+TORCH_LIBRARY_IMPL(rope_ops_cuda, Meta, m) { m.impl("rope", &rope_meta); }

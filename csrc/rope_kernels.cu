@@ -1,0 +1,458 @@
+// rope_ops CUDA kernels (see rope_kernels.h for the contract and NOTES.md for the design).
+//
+// Needs only the CUDA runtime headers, so CI compiles it with plain `nvcc -arch=sm_90 -c`.
+// Do not compile with --use_fast_math: the on-the-fly rows rely on accurate sincospif.
+#include "rope_kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <stdint.h>
+#include <string.h>
+
+namespace rope_ops_cuda {
+namespace {
+
+constexpr int kThreads = 256;  // threads per block, both kernels
+// Heads whose loads a thread issues before the first math (fast path): kUnroll when a thread owns
+// several heads (prefill), 1 for decode-sized calls (one head per thread, fewer registers, so
+// more resident blocks and a single wave).
+constexpr int kUnroll = 4;
+
+// Tuning knobs, settable through rope_set_tuning (the GPU check sweeps them).
+int g_max_heads_per_thread = 8;
+int g_min_threads_per_sm = 4096;  // aim for at least this many threads per SM (about two waves)
+
+// ------------------------------------------------------------------------------------------------
+// dtype helpers
+
+template <typename T>
+struct VecInfo {
+  static constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
+};
+
+template <typename To, typename From>
+__device__ __forceinline__ To bit_cast_dev(const From& f) {
+  static_assert(sizeof(To) == sizeof(From), "size");
+  To t;
+  memcpy(&t, &f, sizeof(To));
+  return t;
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack16(const uint4& v, float* f);
+
+template <>
+__device__ __forceinline__ void unpack16<float>(const uint4& v, float* f) {
+  f[0] = __uint_as_float(v.x);
+  f[1] = __uint_as_float(v.y);
+  f[2] = __uint_as_float(v.z);
+  f[3] = __uint_as_float(v.w);
+}
+
+template <>
+__device__ __forceinline__ void unpack16<__half>(const uint4& v, float* f) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __half22float2(bit_cast_dev<__half2>(w[i]));
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+template <>
+__device__ __forceinline__ void unpack16<__nv_bfloat16>(const uint4& v, float* f) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __bfloat1622float2(bit_cast_dev<__nv_bfloat162>(w[i]));
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack16(const float* f);
+
+template <>
+__device__ __forceinline__ uint4 pack16<float>(const float* f) {
+  return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
+                    __float_as_uint(f[3]));
+}
+
+template <>
+__device__ __forceinline__ uint4 pack16<__half>(const float* f) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = bit_cast_dev<uint32_t>(__floats2half2_rn(f[2 * i], f[2 * i + 1]));
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+template <>
+__device__ __forceinline__ uint4 pack16<__nv_bfloat16>(const float* f) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    w[i] = bit_cast_dev<uint32_t>(__floats2bfloat162_rn(f[2 * i], f[2 * i + 1]));
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float x);
+template <>
+__device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// ------------------------------------------------------------------------------------------------
+// positions and cos/sin
+
+__device__ __forceinline__ int64_t load_position(const RopeParams& p, int64_t b, int64_t s) {
+  if (p.pos_kind == ROPE_POS_I32) {
+    return (int64_t)__ldg(static_cast<const int32_t*>(p.pos) + b * p.pos_stride_b + s * p.pos_stride_s);
+  }
+  if (p.pos_kind == ROPE_POS_I64) {
+    return (int64_t)__ldg(static_cast<const long long*>(p.pos) + b * p.pos_stride_b +
+                          s * p.pos_stride_s);
+  }
+  return p.pos_offset + s;
+}
+
+// m*cos and m*sin of frequency i at integer position pos, from fixed-point turns:
+// turns64 = pos * freq_turns[i] (wrapping), its top 32 bits as a signed int32 are turns * 2^32,
+// so the angle is pi * (top * 2^-31); sincospif does the reduction exactly.
+__device__ __forceinline__ void cos_sin_on_the_fly(int64_t pos, const int64_t* freq_turns, int i,
+                                                   float m, float& c, float& s) {
+  const unsigned long long ft = (unsigned long long)__ldg((const long long*)freq_turns + i);
+  const unsigned long long t = (unsigned long long)pos * ft;
+  const int32_t top = (int32_t)(uint32_t)(t >> 32);
+  sincospif((float)top * 4.656612873077392578125e-10f /* 2^-31 */, &s, &c);
+  c *= m;
+  s *= m;
+}
+
+// NC consecutive float32 values of cos and sin for frequencies [i0, i0 + NC) at position pos;
+// sin negated for the inverse rotation. Table rows only for 0 <= pos < table_rows.
+template <int NC>
+__device__ __forceinline__ void load_cos_sin(const RopeParams& p, int64_t pos, int64_t i0,
+                                             float* c, float* s) {
+  if (pos >= 0 && pos < p.table_rows) {
+    const int64_t off = pos * (p.R >> 1) + i0;
+    if constexpr (NC % 4 == 0) {
+#pragma unroll
+      for (int j = 0; j < NC; j += 4) {
+        const float4 cv = __ldg(reinterpret_cast<const float4*>(p.cos_table + off + j));
+        const float4 sv = __ldg(reinterpret_cast<const float4*>(p.sin_table + off + j));
+        c[j] = cv.x; c[j + 1] = cv.y; c[j + 2] = cv.z; c[j + 3] = cv.w;
+        s[j] = sv.x; s[j + 1] = sv.y; s[j + 2] = sv.z; s[j + 3] = sv.w;
+      }
+    } else if constexpr (NC % 2 == 0) {
+#pragma unroll
+      for (int j = 0; j < NC; j += 2) {
+        const float2 cv = __ldg(reinterpret_cast<const float2*>(p.cos_table + off + j));
+        const float2 sv = __ldg(reinterpret_cast<const float2*>(p.sin_table + off + j));
+        c[j] = cv.x; c[j + 1] = cv.y;
+        s[j] = sv.x; s[j + 1] = sv.y;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < NC; ++j) {
+        c[j] = __ldg(p.cos_table + off + j);
+        s[j] = __ldg(p.sin_table + off + j);
+      }
+    }
+  } else if (p.freq_turns != nullptr) {
+#pragma unroll
+    for (int j = 0; j < NC; ++j)
+      cos_sin_on_the_fly(pos, p.freq_turns, (int)(i0 + j), p.attention_factor, c[j], s[j]);
+  } else {
+    const float nan = __int_as_float(0x7fffffff);
+#pragma unroll
+    for (int j = 0; j < NC; ++j) {
+      c[j] = nan;
+      s[j] = nan;
+    }
+  }
+  if (p.inverse) {
+#pragma unroll
+    for (int j = 0; j < NC; ++j) s[j] = -s[j];
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Fast path: stride 1 on head_dim, 16-byte aligned rows, rotary halves a multiple of 16 bytes.
+//
+// Thread g = ((token * HL) + lane) * CT + c owns chunk c of every head lane, lane + HL, ... of
+// the token (q heads first, then k heads). Chunk c < CR is a rotary chunk: neox loads the 16-byte
+// vectors at c*V and c*V + R/2 (V pairs), gptj the vector at c*V (V/2 adjacent pairs); its cos/sin
+// floats are loaded once and reused for all of the thread's heads. Chunks CR <= c < CT copy
+// pass-through vectors [R, D) (out of place only). Loads for kUnroll heads are issued before math.
+template <typename T, bool NEOX, int UNROLL>
+__global__ void __launch_bounds__(kThreads)
+    rope_fast_kernel(const __grid_constant__ RopeParams p, const int CR, const int CT, const int HL,
+                     const long long total) {
+  constexpr int V = VecInfo<T>::kVec;
+  constexpr int NC = NEOX ? V : V / 2;
+  const long long gid = (long long)blockIdx.x * kThreads + threadIdx.x;
+  if (gid >= total) return;
+  const int c = (int)(gid % CT);
+  const long long t = gid / CT;
+  const int lane = (int)(t % HL);
+  const long long tok = t / HL;
+  const long long b = tok / p.S;
+  const long long s = tok - b * p.S;
+  const long long Ht = p.Hq + p.Hk;
+  const bool rot = c < CR;
+  const long long d0 = rot ? (long long)c * V : p.R + (long long)(c - CR) * V;
+  const long long half = p.R >> 1;
+
+  const T* q_tok = static_cast<const T*>(p.q) + b * p.q_stride[0] + s * p.q_stride[1] + d0;
+  T* qo_tok = static_cast<T*>(p.q_out) + b * p.q_out_stride[0] + s * p.q_out_stride[1] + d0;
+  const T* k_tok = nullptr;
+  T* ko_tok = nullptr;
+  if (p.Hk > 0) {
+    k_tok = static_cast<const T*>(p.k) + b * p.k_stride[0] + s * p.k_stride[1] + d0;
+    ko_tok = static_cast<T*>(p.k_out) + b * p.k_out_stride[0] + s * p.k_out_stride[1] + d0;
+  }
+
+  float cs[NC], sn[NC];
+  bool have_cs = false;
+  for (long long h0 = lane; h0 < Ht; h0 += (long long)HL * UNROLL) {
+    uint4 va[UNROLL], vb[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const long long h = h0 + (long long)u * HL;
+      if (h < Ht) {
+        const bool isq = h < p.Hq;
+        const T* src = isq ? q_tok + h * p.q_stride[2] : k_tok + (h - p.Hq) * p.k_stride[2];
+        va[u] = *reinterpret_cast<const uint4*>(src);
+        if (NEOX && rot) vb[u] = *reinterpret_cast<const uint4*>(src + half);
+      }
+    }
+    if (rot && !have_cs) {
+      const long long pos = load_position(p, b, s);
+      load_cos_sin<NC>(p, pos, NEOX ? (long long)c * V : (long long)c * (V / 2), cs, sn);
+      have_cs = true;
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const long long h = h0 + (long long)u * HL;
+      if (h < Ht) {
+        const bool isq = h < p.Hq;
+        T* dst = isq ? qo_tok + h * p.q_out_stride[2] : ko_tok + (h - p.Hq) * p.k_out_stride[2];
+        if (!rot) {
+          *reinterpret_cast<uint4*>(dst) = va[u];
+        } else if (NEOX) {
+          float x[V], y[V], xo[V], yo[V];
+          unpack16<T>(va[u], x);
+          unpack16<T>(vb[u], y);
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            xo[j] = fmaf(x[j], cs[j], -y[j] * sn[j]);
+            yo[j] = fmaf(y[j], cs[j], x[j] * sn[j]);
+          }
+          *reinterpret_cast<uint4*>(dst) = pack16<T>(xo);
+          *reinterpret_cast<uint4*>(dst + half) = pack16<T>(yo);
+        } else {
+          float x[V], o[V];
+          unpack16<T>(va[u], x);
+#pragma unroll
+          for (int j = 0; j < V / 2; ++j) {
+            o[2 * j] = fmaf(x[2 * j], cs[j], -x[2 * j + 1] * sn[j]);
+            o[2 * j + 1] = fmaf(x[2 * j + 1], cs[j], x[2 * j] * sn[j]);
+          }
+          *reinterpret_cast<uint4*>(dst) = pack16<T>(o);
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Generic path: any strides (including head_dim stride != 1), any even R, any D, no alignment.
+// One item per pair (j < R/2) or per pass-through element; grid-stride loop, 64-bit indices.
+template <typename T, bool NEOX>
+__global__ void __launch_bounds__(kThreads)
+    rope_generic_kernel(const __grid_constant__ RopeParams p, const long long per_head,
+                        const long long total) {
+  const long long half = p.R >> 1;
+  const long long Ht = p.Hq + p.Hk;
+  for (long long gid = (long long)blockIdx.x * kThreads + threadIdx.x; gid < total;
+       gid += (long long)gridDim.x * kThreads) {
+    const long long j = gid % per_head;
+    const long long t = gid / per_head;
+    const long long h = t % Ht;
+    const long long tok = t / Ht;
+    const long long b = tok / p.S;
+    const long long s = tok - b * p.S;
+    const bool isq = h < p.Hq;
+    const T* src;
+    T* dst;
+    long long sd, od;
+    if (isq) {
+      src = static_cast<const T*>(p.q) + b * p.q_stride[0] + s * p.q_stride[1] + h * p.q_stride[2];
+      dst = static_cast<T*>(p.q_out) + b * p.q_out_stride[0] + s * p.q_out_stride[1] +
+            h * p.q_out_stride[2];
+      sd = p.q_stride[3];
+      od = p.q_out_stride[3];
+    } else {
+      const long long hk = h - p.Hq;
+      src = static_cast<const T*>(p.k) + b * p.k_stride[0] + s * p.k_stride[1] + hk * p.k_stride[2];
+      dst = static_cast<T*>(p.k_out) + b * p.k_out_stride[0] + s * p.k_out_stride[1] +
+            hk * p.k_out_stride[2];
+      sd = p.k_stride[3];
+      od = p.k_out_stride[3];
+    }
+    if (j < half) {
+      const long long ia = NEOX ? j : 2 * j;
+      const long long ib = NEOX ? j + half : 2 * j + 1;
+      const float x = to_f32(src[ia * sd]);
+      const float y = to_f32(src[ib * sd]);
+      float c, sn;
+      load_cos_sin<1>(p, load_position(p, b, s), j, &c, &sn);
+      dst[ia * od] = from_f32<T>(fmaf(x, c, -y * sn));
+      dst[ib * od] = from_f32<T>(fmaf(y, c, x * sn));
+    } else {
+      const long long d = p.R + (j - half);
+      dst[d * od] = src[d * sd];
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// host side
+
+inline bool aligned(const void* ptr, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(ptr) & (bytes - 1)) == 0;
+}
+
+inline bool fast_tensor_ok(const void* ptr, const int64_t* st, int64_t B, int64_t S, int64_t H,
+                           int64_t V) {
+  if (!aligned(ptr, 16) || st[3] != 1) return false;
+  if (B > 1 && st[0] % V != 0) return false;
+  if (S > 1 && st[1] % V != 0) return false;
+  if (H > 1 && st[2] % V != 0) return false;
+  return true;
+}
+
+inline int64_t elem_size(int dtype) { return dtype == ROPE_F32 ? 4 : 2; }
+
+bool params_ok(const RopeParams* p) {
+  if (p == nullptr) return false;
+  if (p->dtype < ROPE_F32 || p->dtype > ROPE_BF16) return false;
+  if (p->B < 0 || p->S < 0 || p->Hq < 0 || p->Hk < 0) return false;
+  if (p->R <= 0 || (p->R & 1) || p->R > p->D) return false;
+  if (p->Hq > 0 && (p->q == nullptr || p->q_out == nullptr)) return false;
+  if (p->Hk > 0 && (p->k == nullptr || p->k_out == nullptr)) return false;
+  if (p->pos_kind != ROPE_POS_OFFSET && p->pos == nullptr) return false;
+  if (p->table_rows < 0) return false;
+  if (p->table_rows > 0 && (p->cos_table == nullptr || p->sin_table == nullptr)) return false;
+  return true;
+}
+
+int pick_path(const RopeParams* p) {
+  if (p->B == 0 || p->S == 0 || p->Hq + p->Hk == 0) return 0;
+  const int64_t V = 16 / elem_size(p->dtype);
+  const int64_t half = p->R / 2;
+  if (p->interleaved ? (p->R % V != 0) : (half % V != 0)) return 2;
+  if (p->copy_passthrough && p->D % V != 0) return 2;
+  if (p->Hq > 0 && (!fast_tensor_ok(p->q, p->q_stride, p->B, p->S, p->Hq, V) ||
+                    !fast_tensor_ok(p->q_out, p->q_out_stride, p->B, p->S, p->Hq, V)))
+    return 2;
+  if (p->Hk > 0 && (!fast_tensor_ok(p->k, p->k_stride, p->B, p->S, p->Hk, V) ||
+                    !fast_tensor_ok(p->k_out, p->k_out_stride, p->B, p->S, p->Hk, V)))
+    return 2;
+  // cos/sin chunks: neox V floats (float4 loads), gptj V/2 floats (float4, or float2 for fp32).
+  const uintptr_t tab_align = (!p->interleaved || V / 2 >= 4) ? 16 : 8;
+  if (p->table_rows > 0 && (!aligned(p->cos_table, tab_align) || !aligned(p->sin_table, tab_align)))
+    return 2;
+  return 1;
+}
+
+template <typename T, bool NEOX>
+cudaError_t launch_typed(const RopeParams& p, int path, int num_sms, cudaStream_t stream) {
+  const int64_t tokens = p.B * p.S;
+  const int64_t Ht = p.Hq + p.Hk;
+  const int sms = num_sms > 0 ? num_sms : 132;
+  if (path == 1) {
+    constexpr int V = VecInfo<T>::kVec;
+    const int64_t CR = NEOX ? (p.R / 2) / V : p.R / V;
+    const int64_t CP = (p.copy_passthrough && p.D > p.R) ? (p.D - p.R) / V : 0;
+    const int64_t CT = CR + CP;
+    // Heads per thread: as many as possible (reuse of cos/sin, fewer index computations) while
+    // keeping at least g_min_threads_per_sm threads per SM; decode-sized calls get one head each.
+    const int64_t per_lane = tokens * CT;
+    const int64_t want = (int64_t)sms * g_min_threads_per_sm;
+    int64_t hl = Ht;
+    for (int64_t u = g_max_heads_per_thread; u >= 1; --u) {
+      const int64_t cand = (Ht + u - 1) / u;
+      if (cand * per_lane >= want || u == 1) {
+        hl = cand;
+        break;
+      }
+    }
+    const int64_t total = per_lane * hl;
+    const int64_t blocks = (total + kThreads - 1) / kThreads;
+    if (CT > (1 << 30) || hl > (1 << 30) || blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
+    if (hl >= Ht) {
+      rope_fast_kernel<T, NEOX, 1><<<(unsigned)blocks, kThreads, 0, stream>>>(
+          p, (int)CR, (int)CT, (int)hl, (long long)total);
+    } else {
+      rope_fast_kernel<T, NEOX, kUnroll><<<(unsigned)blocks, kThreads, 0, stream>>>(
+          p, (int)CR, (int)CT, (int)hl, (long long)total);
+    }
+  } else {
+    const int64_t per_head = p.R / 2 + ((p.copy_passthrough && p.D > p.R) ? p.D - p.R : 0);
+    const int64_t total = tokens * Ht * per_head;
+    int64_t blocks = (total + kThreads - 1) / kThreads;
+    const int64_t cap = (int64_t)sms * 16;
+    if (blocks > cap) blocks = cap;
+    rope_generic_kernel<T, NEOX><<<(unsigned)blocks, kThreads, 0, stream>>>(
+        p, (long long)per_head, (long long)total);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_style(const RopeParams& p, int path, int num_sms, cudaStream_t stream) {
+  return p.interleaved ? launch_typed<T, false>(p, path, num_sms, stream)
+                       : launch_typed<T, true>(p, path, num_sms, stream);
+}
+
+}  // namespace
+}  // namespace rope_ops_cuda
+
+extern "C" int rope_pick_path(const RopeParams* p) {
+  if (!rope_ops_cuda::params_ok(p)) return -1;
+  return rope_ops_cuda::pick_path(p);
+}
+
+extern "C" cudaError_t rope_launch(const RopeParams* p, int num_sms, cudaStream_t stream) {
+  using namespace rope_ops_cuda;
+  if (!params_ok(p)) return cudaErrorInvalidValue;
+  const int path = pick_path(p);
+  if (path == 0) return cudaSuccess;
+  switch (p->dtype) {
+    case ROPE_F32:
+      return launch_style<float>(*p, path, num_sms, stream);
+    case ROPE_F16:
+      return launch_style<__half>(*p, path, num_sms, stream);
+    default:
+      return launch_style<__nv_bfloat16>(*p, path, num_sms, stream);
+  }
+}
+
+extern "C" void rope_set_tuning(int max_heads_per_thread, int min_threads_per_sm) {
+  if (max_heads_per_thread >= 1) rope_ops_cuda::g_max_heads_per_thread = max_heads_per_thread;
+  if (min_threads_per_sm >= 1) rope_ops_cuda::g_min_threads_per_sm = min_threads_per_sm;
+}
