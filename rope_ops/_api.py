@@ -12,7 +12,7 @@ import torch
 from . import _select
 from ._errors import RopeError
 from ._memory import check_inplace_memory
-from ._ops import RopeFunction, rope_call
+from ._ops import RopeFunction, rope_call, run_backend
 from .backend import LAYOUTS
 from .embedding import RotaryEmbedding, cached_rope, cached_rope_key, check_rotary_dim
 
@@ -119,23 +119,27 @@ def _apply(q, k, pos, rotary_dim, style, layout, base, scaling, rope, cos_sin, i
         cos, sin, freq_turns = rope.tables(device)
         attention_factor, rope_key = rope.attention_factor, rope.key
 
+    grad_enabled = torch.is_grad_enabled()
     if inplace:
         for name, t in (("q", q), ("k", k)):
-            if t is not None and t.requires_grad and t.is_leaf and torch.is_grad_enabled():
+            if t is not None and t.requires_grad and t.is_leaf and grad_enabled:
                 raise RopeError(f"{name}: in-place on a leaf tensor that requires grad")
         if not compiling:  # traced: the in-place op checks memory when it runs
             check_inplace_memory(q, k)
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
+    needs_grad = grad_enabled and (q.requires_grad or (k is not None and k.requires_grad))
     k_heads = 0 if k is None else k.shape[_HEADS_DIM[layout]]
     call = (device.type, q.dtype, layout, style, head_dim, rotary_dim,
             q.shape[_HEADS_DIM[layout]], k_heads, inplace,
             None if pos_tensor is None else pos_tensor.dtype, freq_turns is None, needs_grad,
             q.stride(-1) == 1 and (k is None or k.stride(-1) == 1))
+    interleaved = style == "gptj"
     if compiling:
         chosen = _select.select_name_constant(call, backend)
     else:
         chosen = _select.select(call, backend).name
-    interleaved = style == "gptj"
+        if not needs_grad or inverse:  # the hot inference path: straight to the backend
+            return run_backend(chosen, q, k, pos_tensor, pos_offset, cos, sin, freq_turns,
+                               attention_factor, layout, rotary_dim, interleaved, inverse, inplace)
     if needs_grad and not inverse:
         return RopeFunction.apply(q, k, pos_tensor, pos_offset, cos, sin, freq_turns, attention_factor,
                                   rope_key, layout, rotary_dim, interleaved, inplace, chosen)
@@ -148,18 +152,21 @@ def _check_tensors(q, k, layout):
         raise RopeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
     if q.dtype not in _DTYPES:
         raise RopeError(f"q: expected dtype float32, float16, bfloat16 or float64, got {q.dtype}")
+    shape = q.shape
+    rank = len(shape)
     if layout is None:
-        layout = _DEFAULT_LAYOUT.get(q.dim())
+        layout = _DEFAULT_LAYOUT.get(rank)
         if layout is None:
-            raise RopeError(f"q: expected a 4-D [B,S,H,D] or 3-D [T,H,D] tensor, got {q.dim()}-D "
-                            f"shape {tuple(q.shape)}")
+            raise RopeError(f"q: expected a 4-D [B,S,H,D] or 3-D [T,H,D] tensor, got {rank}-D "
+                            f"shape {tuple(shape)}")
     elif layout not in _RANK:
         raise RopeError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
-    elif q.dim() != _RANK[layout]:
-        raise RopeError(f"q: layout {layout!r} needs a {_RANK[layout]}-D tensor, got {q.dim()}-D "
-                        f"shape {tuple(q.shape)}")
-    head_dim = q.shape[-1]
-    leading = tuple(q.shape[d] for d in _LEADING[layout])
+    elif rank != _RANK[layout]:
+        raise RopeError(f"q: layout {layout!r} needs a {_RANK[layout]}-D tensor, got {rank}-D "
+                        f"shape {tuple(shape)}")
+    head_dim = shape[-1]
+    dims = _LEADING[layout]
+    leading = (shape[dims[0]],) if rank == 3 else (shape[dims[0]], shape[dims[1]])
     if k is not None:
         if not isinstance(k, torch.Tensor):
             raise RopeError(f"k: expected a torch.Tensor or None, got {type(k).__name__}")
@@ -167,11 +174,12 @@ def _check_tensors(q, k, layout):
             raise RopeError(f"k: dtype {k.dtype} differs from q's {q.dtype}")
         if k.device != q.device:
             raise RopeError(f"k: device {k.device} differs from q's {q.device}")
-        if k.dim() != q.dim():
-            raise RopeError(f"k: expected {q.dim()}-D like q (layout {layout!r}), got {k.dim()}-D")
-        if k.shape[-1] != head_dim:
-            raise RopeError(f"k: head_dim {k.shape[-1]} differs from q's {head_dim}")
-        k_leading = tuple(k.shape[d] for d in _LEADING[layout])
+        k_shape = k.shape
+        if len(k_shape) != rank:
+            raise RopeError(f"k: expected {rank}-D like q (layout {layout!r}), got {len(k_shape)}-D")
+        if k_shape[-1] != head_dim:
+            raise RopeError(f"k: head_dim {k_shape[-1]} differs from q's {head_dim}")
+        k_leading = (k_shape[dims[0]],) if rank == 3 else (k_shape[dims[0]], k_shape[dims[1]])
         if k_leading != leading:
             raise RopeError(f"k: leading dims {k_leading} differ from q's {leading} (layout {layout!r})")
     return layout, head_dim, leading
