@@ -1,0 +1,236 @@
+"""Triton backend of rope_ops: one launch for q and k, any layout through strides.
+
+Importing this module imports neither triton nor touches a device: triton and the kernels are
+imported on the first ``availability()`` / ``run()``. See NOTES.md for the kernel design.
+
+On CPU tensors the backend runs only under ``TRITON_INTERPRET=1`` (set before triton is imported),
+for tests; automatic selection never picks it there.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+import torch
+
+from rope_ops.backend import Backend, KernelArgs, bshd_view
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# Chunk size targets (elements of one head-chunk tile of one program).
+_SMALL_TOKENS = 512  # at most this many tokens: one token per program, wide head chunks (decode)
+_TILE_ELEMS = 4096
+_MAX_PLANS = 512
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _pick_blocks(n_tokens: int, hq: int, hk: int, head_dim: int, rotary_dim: int,
+                 copy_pass: bool) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_H, num_warps) for one shape class."""
+    rot_p = 2 * _next_pow2(rotary_dim // 2)
+    pass_p = _next_pow2(head_dim - rotary_dim) if copy_pass else 0
+    per_head = rot_p + pass_p
+    heads = hq + hk
+    if n_tokens <= _SMALL_TOKENS:
+        # Latency-bound: one token per program, q in one chunk where it fits, so that all loads
+        # of a program are in flight together (chunk 0 before the position, chunk 1 prefetched).
+        block_t = 1
+        block_h = max(1, min(_next_pow2(max(hq, hk)), _TILE_ELEMS // per_head))
+    else:
+        block_h = 1
+        cap = max(1, min(16, _TILE_ELEMS // per_head))
+        best = None
+        bh = 1
+        while bh <= min(cap, _next_pow2(max(hq, hk))):
+            padded = (-(-hq // bh) + -(-hk // bh)) * bh
+            waste = padded / heads
+            if waste <= 1.15:
+                block_h = bh  # the largest low-waste chunk
+            if best is None or waste < best[0]:
+                best = (waste, bh)
+            bh *= 2
+        if (-(-hq // block_h) + -(-hk // block_h)) * block_h / heads > 1.15:
+            block_h = best[1]
+        block_t = max(1, min(16, _TILE_ELEMS // (per_head * block_h), _next_pow2(n_tokens)))
+    elems = block_t * block_h * per_head
+    num_warps = 8 if elems >= 8192 else 4 if elems >= 2048 else 2 if elems >= 512 else 1
+    return block_t, block_h, num_warps
+
+
+class _Plan:
+    """Everything derived from one exact shape/stride class: ints, grid, compiled kernel."""
+
+    __slots__ = ("ints", "consts", "grid", "num_warps", "runner", "has_pos")
+
+    def __init__(self, ints, consts, grid, num_warps, has_pos):
+        self.ints = ints
+        self.consts = consts
+        self.grid = grid
+        self.num_warps = num_warps
+        self.runner = None
+        self.has_pos = has_pos
+
+
+class TritonBackend(Backend):
+    name: ClassVar[str] = "triton"
+    priority: ClassVar[int] = 10
+    device_types: ClassVar[frozenset[str]] = (
+        frozenset({"cuda", "cpu"}) if _INTERPRET else frozenset({"cuda"})
+    )
+    auto_device_types: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
+    dtypes: ClassVar[frozenset[torch.dtype]] = frozenset(
+        {torch.float32, torch.float16, torch.bfloat16}
+    )
+
+    def __init__(self) -> None:
+        self._kernel = None
+        self._plans: dict = {}
+        # Direct launches of the compiled kernel (skipping triton's per-call argument binding);
+        # turned off for good on the first failure, and never used when interpreting.
+        self.fast_launch = not _INTERPRET and os.environ.get("ROPE_OPS_TRITON_FAST", "1") != "0"
+
+    # -- environment ----------------------------------------------------------------------
+
+    def availability(self) -> list[str]:
+        try:
+            import triton
+        except Exception as e:  # ImportError, or a broken install
+            return [f"triton not importable: {type(e).__name__}: {e}"]
+        if _INTERPRET:
+            return []
+        try:
+            triton.runtime.driver.active.get_current_target()
+        except Exception as e:  # RuntimeError "0 active drivers", driver load failures
+            return [f"no active triton driver: {type(e).__name__}: {e}"]
+        try:
+            if not torch.cuda.is_available():
+                return ["no GPU (torch.cuda.is_available() is False) and TRITON_INTERPRET unset"]
+        except Exception as e:
+            return [f"no GPU: {type(e).__name__}: {e}"]
+        return []
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d["interpret"] = _INTERPRET
+        return d
+
+    # -- run ------------------------------------------------------------------------------
+
+    def _get_kernel(self):
+        if self._kernel is None:
+            from . import kernels
+
+            self._kernel = kernels
+        return self._kernel
+
+    def run(self, args: KernelArgs) -> None:
+        q, k, qo, ko, pos = args.q, args.k, args.q_out, args.k_out, args.pos
+        key = (
+            args.layout, q.shape, q.stride(), qo.stride(),
+            None if k is None else (k.shape, k.stride(), ko.stride()),
+            None if pos is None else (pos.shape, pos.stride(), pos.dtype),
+            args.cos.shape, args.freq_turns is None, args.rotary_dim, args.interleaved,
+            args.inverse, args.inplace, q.dtype, q.device,
+            (q.data_ptr() | qo.data_ptr() | (0 if k is None else k.data_ptr() | ko.data_ptr()))
+            & 15,
+        )
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._make_plan(args)
+            if plan is None:
+                return  # no tokens
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
+        cos, sin, turns = args.cos, args.sin, args.freq_turns
+        if cos.shape[0] == 0:  # an empty table: every load is masked, but pass a real pointer
+            cos = sin = torch.zeros(1, max(1, args.rotary_dim // 2), device=q.device)
+        off = args.pos_offset
+        ptrs = (q, q if k is None else k, qo, qo if ko is None else ko,
+                cos if pos is None else pos, cos, sin, cos if turns is None else turns)
+        # An offset outside int32 changes the compiled signature: leave it to triton's binder.
+        if plan.runner is not None and -(1 << 31) <= off < (1 << 31):
+            try:
+                plan.runner(*ptrs, plan.ints[0], plan.ints[1], plan.ints[2], off,
+                            float(args.attention_factor), *plan.ints[3:], *plan.consts)
+                return
+            except Exception:  # a triton whose launcher differs: never try again
+                self.fast_launch = False
+                for p in self._plans.values():
+                    p.runner = None
+        self._launch_jit(plan, ptrs, off, float(args.attention_factor))
+
+    def _launch_jit(self, plan, ptrs, off, m) -> None:
+        kern = self._get_kernel().rope_kernel
+        names = ("HQ", "HK", "HEAD_DIM", "ROTARY_DIM", "HALF_P", "PASS_P", "BLOCK_T", "BLOCK_H",
+                 "INTERLEAVED", "INVERSE", "COPY_PASS", "HAS_POS", "HAS_TURNS", "D_CONTIG",
+                 "LIBDEVICE")
+        ck = kern[plan.grid](*ptrs, plan.ints[0], plan.ints[1], plan.ints[2], off, m,
+                             *plan.ints[3:], **dict(zip(names, plan.consts)),
+                             num_warps=plan.num_warps)
+        if self.fast_launch and ck is not None and -(1 << 31) <= off < (1 << 31):
+            try:
+                plan.runner = ck[plan.grid]
+            except Exception:
+                self.fast_launch = False
+
+    def _make_plan(self, args: KernelArgs) -> _Plan | None:
+        layout = args.layout
+        q4 = bshd_view(args.q, layout)
+        qo4 = bshd_view(args.q_out, layout)
+        batch, seq, hq, head_dim = q4.shape
+        n_tokens = batch * seq
+        if n_tokens == 0:
+            return None
+        if args.k is not None:
+            k4 = bshd_view(args.k, layout)
+            ko4 = bshd_view(args.k_out, layout)
+            hk = k4.shape[2]
+            if k4.shape[2] == 0:
+                k4 = ko4 = None
+                hk = 0
+        else:
+            k4 = ko4 = None
+            hk = 0
+        if hq == 0 and hk == 0:
+            return None
+        rotary_dim = args.rotary_dim
+        copy_pass = (not args.inplace) and rotary_dim < head_dim
+        block_t, block_h, num_warps = _pick_blocks(n_tokens, hq, hk, head_dim, rotary_dim,
+                                                   copy_pass)
+        sq = list(q4.stride())
+        sqo = list(qo4.stride())
+        sk = list(k4.stride()) if k4 is not None else [0, 0, 0, 1]
+        sko = list(ko4.stride()) if ko4 is not None else [0, 0, 0, 1]
+        # A size-1 dim's stride is never used to move; make it 0 so odd values do not matter.
+        for strides, t in ((sq, q4), (sqo, qo4), (sk, k4), (sko, ko4)):
+            if t is not None:
+                for dim in range(3):
+                    if t.shape[dim] == 1:
+                        strides[dim] = 0
+                if t.shape[3] == 1:
+                    strides[3] = 1
+        d_contig = all(s[3] == 1 for s in (sq, sqo, sk, sko))
+        pos = args.pos
+        if pos is None:
+            sp = [0, 0]
+        elif pos.dim() == 1:
+            sp = [0, pos.stride(0) if pos.shape[0] > 1 else 0]
+        else:
+            sp = [pos.stride(0) if pos.shape[0] > 1 else 0,
+                  pos.stride(1) if pos.shape[1] > 1 else 0]
+        n_rows = args.cos.shape[0]
+        ints = (n_tokens, seq, n_rows, *sq, *sk, *sqo, *sko, *sp)
+        consts = (
+            hq, hk, head_dim, rotary_dim, _next_pow2(rotary_dim // 2),
+            _next_pow2(head_dim - rotary_dim) if rotary_dim < head_dim else 1,
+            block_t, block_h, bool(args.interleaved), bool(args.inverse), copy_pass,
+            pos is not None, args.freq_turns is not None, d_contig,
+            (not _INTERPRET) and self._get_kernel().libdevice is not None,
+        )
+        grid = (-(-n_tokens // block_t), 1, 1)
+        return _Plan(ints, consts, grid, num_warps, pos is not None)

@@ -1,0 +1,193 @@
+"""The Triton RoPE kernel: q and k of one call in one launch.
+
+Imported lazily by the backend (importing this module imports triton). See NOTES.md.
+
+One program owns BLOCK_T consecutive tokens (flattened batch x seq). It loads each token's position
+and cos/sin row once, then walks the q heads and the k heads in chunks of BLOCK_H heads (the chunk
+loop is unrolled at compile time, and the next chunk is loaded before the current one is rotated
+and stored, so two chunks are in flight per program). Every tensor is addressed through its
+[B, S, H, D] strides, so all layouts and strided views (packed QKV) go through the same code.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+try:  # accurate sin/cos on the GPU (tl.sin/tl.cos may lower to the approximate instructions)
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - very old triton
+    libdevice = None
+
+TWO_PI_OVER_2_32 = 6.283185307179586 / 4294967296.0
+
+
+@triton.jit
+def _chunk_offsets(row_off, h, s_h, d, s_d, D_CONTIG: tl.constexpr):
+    """[BT, BH, ND] element offsets: token rows x heads x dims."""
+    hd = (h * s_h).to(tl.int64)
+    if D_CONTIG:
+        dd = d
+    else:
+        dd = d.to(tl.int64) * s_d
+    return row_off[:, None, None] + hd[None, :, None] + dd[None, None, :]
+
+
+@triton.jit
+def _load_chunk(ptr, row_off, tmask, h0, n_heads, s_h, s_d,
+                BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+                INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr):
+    """The rotary pairs (x, y) of heads [h0, h0 + BLOCK_H) as float32 [BT, BH, HALF_P] each."""
+    h = h0 + tl.arange(0, BLOCK_H)
+    hmask = h < n_heads
+    if INTERLEAVED:
+        d = tl.arange(0, 2 * HALF_P)
+        m = tmask[:, None, None] & hmask[None, :, None] & (d < 2 * HALF)[None, None, :]
+        xy = tl.load(ptr + _chunk_offsets(row_off, h, s_h, d, s_d, D_CONTIG), mask=m, other=0.0)
+        xy = tl.reshape(xy.to(tl.float32), [BLOCK_T, BLOCK_H, HALF_P, 2])
+        x, y = tl.split(xy)
+    else:
+        i = tl.arange(0, HALF_P)
+        m = tmask[:, None, None] & hmask[None, :, None] & (i < HALF)[None, None, :]
+        off = _chunk_offsets(row_off, h, s_h, i, s_d, D_CONTIG)
+        x = tl.load(ptr + off, mask=m, other=0.0).to(tl.float32)
+        if D_CONTIG:
+            y = tl.load(ptr + off + HALF, mask=m, other=0.0).to(tl.float32)
+        else:
+            y = tl.load(ptr + off + HALF * s_d, mask=m, other=0.0).to(tl.float32)
+    return x, y
+
+
+@triton.jit
+def _rotate_store(x, y, c, s, out_ptr, row_off, tmask, h0, n_heads, s_h, s_d,
+                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
+                  INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr):
+    """Rotate the pairs by (c, s) [BT, HALF_P] in float32 and store them rounded once."""
+    c3 = c[:, None, :]
+    s3 = s[:, None, :]
+    xo = x * c3 - y * s3
+    yo = y * c3 + x * s3
+    h = h0 + tl.arange(0, BLOCK_H)
+    hmask = h < n_heads
+    dtype = out_ptr.dtype.element_ty
+    if INTERLEAVED:
+        d = tl.arange(0, 2 * HALF_P)
+        m = tmask[:, None, None] & hmask[None, :, None] & (d < 2 * HALF)[None, None, :]
+        xy = tl.reshape(tl.join(xo, yo), [BLOCK_T, BLOCK_H, 2 * HALF_P])
+        tl.store(out_ptr + _chunk_offsets(row_off, h, s_h, d, s_d, D_CONTIG), xy.to(dtype), mask=m)
+    else:
+        i = tl.arange(0, HALF_P)
+        m = tmask[:, None, None] & hmask[None, :, None] & (i < HALF)[None, None, :]
+        off = _chunk_offsets(row_off, h, s_h, i, s_d, D_CONTIG)
+        tl.store(out_ptr + off, xo.to(dtype), mask=m)
+        if D_CONTIG:
+            tl.store(out_ptr + off + HALF, yo.to(dtype), mask=m)
+        else:
+            tl.store(out_ptr + off + HALF * s_d, yo.to(dtype), mask=m)
+
+
+@triton.jit
+def _copy_pass(in_ptr, out_ptr, row_in, row_out, tmask, h0, n_heads, si_h, si_d, so_h, so_d,
+               BLOCK_H: tl.constexpr, ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
+               PASS_P: tl.constexpr, D_CONTIG: tl.constexpr):
+    """Copy the pass-through dims [ROTARY_DIM, HEAD_DIM) of heads [h0, h0 + BLOCK_H)."""
+    h = h0 + tl.arange(0, BLOCK_H)
+    d = ROTARY_DIM + tl.arange(0, PASS_P)
+    m = tmask[:, None, None] & (h < n_heads)[None, :, None] & (d < HEAD_DIM)[None, None, :]
+    v = tl.load(in_ptr + _chunk_offsets(row_in, h, si_h, d, si_d, D_CONTIG), mask=m)
+    tl.store(out_ptr + _chunk_offsets(row_out, h, so_h, d, so_d, D_CONTIG), v, mask=m)
+
+
+@triton.jit(do_not_specialize=["n_tokens", "seq_len", "n_rows", "pos_offset"])
+def rope_kernel(
+    q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, turns_ptr,
+    n_tokens, seq_len, n_rows, pos_offset, attn_factor,
+    sq_b, sq_s, sq_h, sq_d,
+    sk_b, sk_s, sk_h, sk_d,
+    sqo_b, sqo_s, sqo_h, sqo_d,
+    sko_b, sko_s, sko_h, sko_d,
+    sp_b, sp_s,
+    HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
+    HALF_P: tl.constexpr, PASS_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, COPY_PASS: tl.constexpr,
+    HAS_POS: tl.constexpr, HAS_TURNS: tl.constexpr, D_CONTIG: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    NQC: tl.constexpr = (HQ + BLOCK_H - 1) // BLOCK_H
+    NKC: tl.constexpr = (HK + BLOCK_H - 1) // BLOCK_H
+    NC: tl.constexpr = NQC + NKC
+
+    pid = tl.program_id(0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < n_tokens
+    b = (t // seq_len).to(tl.int64)
+    sq = (t % seq_len).to(tl.int64)
+    row_q = b * sq_b + sq * sq_s
+    row_qo = b * sqo_b + sq * sqo_s
+    row_k = b * sk_b + sq * sk_s
+    row_ko = b * sko_b + sq * sko_s
+
+    # Chunk 0 is loaded first, so its latency overlaps the position -> cos/sin chain.
+    if NQC > 0:
+        x, y = _load_chunk(q_ptr, row_q, tmask, 0, HQ, sq_h, sq_d,
+                           BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+    else:
+        x, y = _load_chunk(k_ptr, row_k, tmask, 0, HK, sk_h, sk_d,
+                           BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+
+    if HAS_POS:
+        p = tl.load(pos_ptr + b * sp_b + sq * sp_s, mask=tmask, other=0).to(tl.int64)
+    else:
+        p = sq + pos_offset
+    i = tl.arange(0, HALF_P)
+    inside = (p >= 0) & (p < n_rows)
+    tab = p[:, None] * HALF + i[None, :]
+    tmask2 = inside[:, None] & (i < HALF)[None, :]
+    c = tl.load(cos_ptr + tab, mask=tmask2, other=0.0)
+    s = tl.load(sin_ptr + tab, mask=tmask2, other=0.0)
+    if HAS_TURNS:
+        # Exact fixed-point angle: wrapping int64 product, top 32 bits = signed turns * 2^32.
+        f = tl.load(turns_ptr + i, mask=i < HALF, other=0)
+        top = (p[:, None] * f[None, :]) >> 32
+        angle = top.to(tl.float32) * TWO_PI_OVER_2_32
+        if LIBDEVICE:
+            cf = libdevice.cos(angle)
+            sf = libdevice.sin(angle)
+        else:
+            cf = tl.cos(angle)
+            sf = tl.sin(angle)
+        c = tl.where(inside[:, None], c, cf * attn_factor)
+        s = tl.where(inside[:, None], s, sf * attn_factor)
+    else:
+        c = tl.where(inside[:, None], c, float("nan"))
+        s = tl.where(inside[:, None], s, float("nan"))
+    if INVERSE:
+        s = -s
+
+    for ci in tl.static_range(NC):
+        # Prefetch chunk ci + 1 before rotating and storing chunk ci.
+        if ci + 1 < NC:
+            if ci + 1 < NQC:
+                xn, yn = _load_chunk(q_ptr, row_q, tmask, (ci + 1) * BLOCK_H, HQ, sq_h, sq_d,
+                                     BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+            else:
+                xn, yn = _load_chunk(k_ptr, row_k, tmask, (ci + 1 - NQC) * BLOCK_H, HK, sk_h,
+                                     sk_d, BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+        if ci < NQC:
+            h0 = ci * BLOCK_H
+            _rotate_store(x, y, c, s, qo_ptr, row_qo, tmask, h0, HQ, sqo_h, sqo_d,
+                          BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+            if COPY_PASS:
+                _copy_pass(q_ptr, qo_ptr, row_q, row_qo, tmask, h0, HQ, sq_h, sq_d, sqo_h, sqo_d,
+                           BLOCK_H, ROTARY_DIM, HEAD_DIM, PASS_P, D_CONTIG)
+        else:
+            h0 = (ci - NQC) * BLOCK_H
+            _rotate_store(x, y, c, s, ko_ptr, row_ko, tmask, h0, HK, sko_h, sko_d,
+                          BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+            if COPY_PASS:
+                _copy_pass(k_ptr, ko_ptr, row_k, row_ko, tmask, h0, HK, sk_h, sk_d, sko_h, sko_d,
+                           BLOCK_H, ROTARY_DIM, HEAD_DIM, PASS_P, D_CONTIG)
+        if ci + 1 < NC:
+            x = xn
+            y = yn
