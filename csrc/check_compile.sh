@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Compile check of the CUDA sources, no GPU needed.
+#
+#  1. every pure-CUDA csrc/*.cu with the machine's nvcc for sm_90 (ROPE_OPS_CHECK_ARCH overrides,
+#     e.g. "90 100"), with the flags torch.utils.cpp_extension adds, printing ptxas's resource
+#     report (-Xptxas -v) and a one-line-per-kernel summary; fails on any error;
+#  2. a syntax-only check of csrc/rope_binding.cpp against the installed torch headers when a
+#     Python with torch is found (PYTHON, else python3). A CPU-only torch lacks a few generated or
+#     CUDA-library headers that the binding's includes pull in; stubs for exactly those are put
+#     *after* the real include paths (-idirafter), so a CUDA torch uses its own headers.
+#
+# Usage: csrc/check_compile.sh            (exit status non-zero on failure)
+# Env:   NVCC, ROPE_OPS_CHECK_ARCH, PYTHON, ROPE_OPS_SKIP_BINDING_CHECK=1
+set -u -o pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+nvcc="${NVCC:-}"
+if [ -z "$nvcc" ]; then
+  if command -v nvcc >/dev/null 2>&1; then nvcc="$(command -v nvcc)";
+  elif [ -n "${CUDA_HOME:-}" ] && [ -x "$CUDA_HOME/bin/nvcc" ]; then nvcc="$CUDA_HOME/bin/nvcc";
+  elif [ -x /usr/local/cuda/bin/nvcc ]; then nvcc=/usr/local/cuda/bin/nvcc;
+  else echo "check_compile: nvcc not found (set NVCC or CUDA_HOME)" >&2; exit 2; fi
+fi
+archs="${ROPE_OPS_CHECK_ARCH:-90}"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+
+echo "check_compile: $("$nvcc" --version | tail -1)"
+status=0
+# The defines torch.utils.cpp_extension passes to nvcc (the kernels must build with them).
+torch_defs=(-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
+            -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__
+            --expt-relaxed-constexpr)
+shopt -s nullglob
+for cu in "$here"/*.cu; do
+  for a in $archs; do
+    name="$(basename "$cu" .cu)"
+    log="$tmp/$name.sm_$a.log"
+    echo "== nvcc sm_$a $(basename "$cu")"
+    if "$nvcc" -gencode="arch=compute_$a,code=sm_$a" -O3 -std=c++17 -Xcompiler -fPIC \
+        "${torch_defs[@]}" -Xptxas -v -I"$here" -c "$cu" -o "$tmp/$name.sm_$a.o" >"$log" 2>&1; then
+      cat "$log"
+      # Summary: kernel (demangled where c++filt exists), registers, spills.
+      awk '/Compiling entry function/ {match($0, /'"'"'[^'"'"']+'"'"'/); k=substr($0, RSTART+1, RLENGTH-2)}
+           /bytes stack frame/ {sp=$0; sub(/^ +/, "", sp)}
+           /Used [0-9]+ registers/ {match($0, /Used [0-9]+ registers/); print k "\t" substr($0, RSTART, RLENGTH) "\t" sp}' "$log" \
+        | { if command -v c++filt >/dev/null 2>&1; then c++filt; else cat; fi; } \
+        | sed -E 's/\(anonymous namespace\):://; s/rope_ops_cuda:://; s/\(RopeParams, [^)]*\)//' \
+        > "$tmp/summary"
+      echo "-- summary sm_$a:"
+      sed 's/^/   /' "$tmp/summary"
+      if grep -Eq '[1-9][0-9]* bytes spill' "$tmp/summary"; then
+        echo "check_compile: WARNING: register spills in $(basename "$cu") for sm_$a" >&2
+      fi
+    else
+      cat "$log" >&2
+      echo "check_compile: FAILED: $(basename "$cu") for sm_$a" >&2
+      status=1
+    fi
+  done
+done
+
+if [ "${ROPE_OPS_SKIP_BINDING_CHECK:-0}" != 1 ] && [ -f "$here/rope_binding.cpp" ]; then
+  py="${PYTHON:-python3}"
+  if inc="$("$py" -c 'import torch.utils.cpp_extension as c; print("\n".join(c.include_paths()))' 2>/dev/null)"; then
+    cuda_inc=""
+    for c in "$(dirname "$(dirname "$(readlink -f "$nvcc")")")" "${CUDA_HOME:-}" /usr/local/cuda; do
+      if [ -n "$c" ] && [ -f "$c/include/cuda_runtime.h" ]; then cuda_inc="$c/include"; break; fi
+      if [ -n "$c" ] && [ -d "$c/targets" ]; then
+        t="$(ls -d "$c"/targets/*/include 2>/dev/null | head -1)"
+        if [ -n "$t" ] && [ -f "$t/cuda_runtime.h" ]; then cuda_inc="$t"; break; fi
+      fi
+    done
+    stub="$tmp/stub"
+    mkdir -p "$stub/c10/cuda/impl"
+    printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > "$stub/c10/cuda/impl/cuda_cmake_macros.h"
+    incs=()
+    while IFS= read -r d; do [ -n "$d" ] && incs+=(-I"$d"); done <<<"$inc"
+    echo "== g++ -fsyntax-only rope_binding.cpp (torch headers$( [ -f "$(echo "$inc" | head -1)/c10/cuda/impl/cuda_cmake_macros.h" ] || echo ', CPU-only torch: stubbed cuda_cmake_macros.h'))"
+    if ${CXX:-g++} -std=c++20 -fsyntax-only "${incs[@]}" -I"$cuda_inc" -I"$here" -idirafter "$stub" \
+        "$here/rope_binding.cpp" >"$tmp/binding.log" 2>&1; then
+      echo "rope_binding.cpp: syntax OK"
+    else
+      grep -E 'error' "$tmp/binding.log" | head -40 >&2
+      echo "check_compile: FAILED: rope_binding.cpp syntax check" >&2
+      status=1
+    fi
+  else
+    echo "== rope_binding.cpp: skipped (no torch in $py)"
+  fi
+fi
+
+if [ "$status" = 0 ]; then echo "check_compile: OK"; fi
+exit "$status"
