@@ -1,0 +1,105 @@
+"""Run the shipped Ascend C kernels on the CPU: build sim_main.cpp with g++ and launch through ctypes.
+
+The kernel source (ascend_kernels/kernels/*.cpp, rope_kernel.h) is compiled unchanged against the
+emulated ``kernel_operator.h`` of this directory. ``launch`` takes the same views and tiling the
+host glue (rope_host.cpp) would pass on an NPU and runs every AI core's block one after another.
+Used by tests/test_ascend_kernel_sim.py; needs g++ and torch (CPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+KERNELS = HERE.parent
+SOURCES = [HERE / "sim_main.cpp", HERE / "kernel_operator.h", KERNELS / "rope_kernel.h",
+           KERNELS / "rope_tiling.h", KERNELS / "rope_math.h", KERNELS / "rope_entry.h",
+           *sorted((KERNELS / "kernels").glob("*.cpp"))]
+DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+class SimError(RuntimeError):
+    pass
+
+
+def build(out_dir: str | os.PathLike) -> Path:
+    """Compile the simulation library into out_dir; returns its path."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise FileNotFoundError("no C++ compiler (g++) found")
+    out = Path(out_dir) / "librope_sim.so"
+    cmd = [cxx, "-std=c++17", "-O1", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared",
+           "-Wall", "-Wextra", "-Werror", f"-I{HERE}", f"-I{KERNELS}", str(HERE / "sim_main.cpp"),
+           "-o", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return out
+
+
+class Sim:
+    def __init__(self, lib_path: str | os.PathLike):
+        self.lib = ctypes.CDLL(str(lib_path))
+        self.lib.rope_sim_tiling.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        self.lib.rope_sim_launch.argtypes = [
+            ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int64, ctypes.c_int64,
+            ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64), ctypes.c_int,
+            ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.c_char_p, ctypes.c_int]
+        self.lib.rope_sim_sincos.argtypes = [ctypes.c_int32, ctypes.c_float, ctypes.POINTER(ctypes.c_float),
+                                             ctypes.POINTER(ctypes.c_float)]
+        self.n_fields = self.lib.rope_sim_fields()
+
+    def c_tiling(self, params: dict, fields: tuple[str, ...], ub_size: int, core_num: int) -> tuple[int, dict]:
+        """The C header's compute_rope_tiling on ``params``: (status, struct as a dict)."""
+        assert len(fields) == self.n_fields, (len(fields), self.n_fields)
+        buf = (ctypes.c_int64 * self.n_fields)()
+        for i, name in enumerate(fields):
+            buf[i] = int(params.get(name, 0))
+        status = self.lib.rope_sim_tiling(ctypes.addressof(buf), ub_size, core_num)
+        return status, {name: buf[i] for i, name in enumerate(fields)}
+
+    def sincos(self, top: int, m: float) -> tuple[float, float]:
+        c, s = ctypes.c_float(), ctypes.c_float()
+        self.lib.rope_sim_sincos(top, m, ctypes.byref(c), ctypes.byref(s))
+        return c.value, s.value
+
+    def launch(self, views, tiling: dict, packed: bytes, inverse: bool) -> dict:
+        """Run the kernel for ``views`` (a _kernel_call.KernelViews of CPU tensors) with the
+        tiling dict/bytes. Returns statistics; raises SimError on any emulator check."""
+        tiling_buf = ctypes.create_string_buffer(packed, len(packed))
+        tensors = [views.q, views.k, views.q_out, views.k_out, views.pos, views.cos, views.sin,
+                   views.freq_turns]
+        ptrs = [0 if t is None else t.data_ptr() for t in tensors] + [ctypes.addressof(tiling_buf)]
+        args = (ctypes.c_void_p * 9)(*[p or None for p in ptrs])
+        # The memory the kernel may touch: each tensor's whole storage, and the tiling.
+        regions, seen = [], set()
+        for t in tensors:
+            if t is None:
+                continue
+            st = t.untyped_storage()
+            if st.nbytes() and st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                regions.append((st.data_ptr(), st.nbytes()))
+        regions.append((ctypes.addressof(tiling_buf), len(packed)))
+        reg_ptrs = (ctypes.c_void_p * len(regions))(*[r[0] for r in regions])
+        reg_bytes = (ctypes.c_int64 * len(regions))(*[r[1] for r in regions])
+        stats = (ctypes.c_int64 * 8)()
+        reg_stats = (ctypes.c_int64 * (2 * len(regions)))()
+        err = ctypes.create_string_buffer(512)
+        rc = self.lib.rope_sim_launch(DTYPE_CODE[views.q.dtype], int(inverse), args, tiling["blockDim"],
+                                      tiling["ubSize"], reg_ptrs, reg_bytes, len(regions), stats,
+                                      reg_stats, err, 512)
+        if rc != 0:
+            raise SimError(err.value.decode())
+        by_ptr = {r[0]: (reg_stats[2 * i], reg_stats[2 * i + 1]) for i, r in enumerate(regions)}
+
+        def io(t):
+            return (0, 0) if t is None or not t.untyped_storage().nbytes() else by_ptr[t.untyped_storage().data_ptr()]
+
+        return {"ub_peak": stats[0], "datacopypad_calls": stats[1], "vector_calls": stats[2],
+                "scalar_ub_writes": stats[3], "cos_io": io(views.cos), "sin_io": io(views.sin),
+                "q_io": io(views.q), "q_out_io": io(views.q_out)}

@@ -1,0 +1,329 @@
+// rope_ops Ascend C kernels: RotaryEmbedding (forward) and RotaryEmbeddingGrad (inverse rotation).
+//
+// One kernel class for both: the gradient of a rotation is the rotation by minus the angle, so
+// RotaryEmbeddingGrad is RotaryEmbedding with the sign of sin flipped (INVERSE).
+//
+// Per call (see rope_tiling.h for the tiling):
+//   q, k      [B, S, H, D] strided (any layout), stride 1 on D; k optional (kHeads == 0)
+//   qOut, kOut same shapes, their own strides; equal to q, k when in place
+//   pos       int32/int64 positions [B, S] (strided, 0 strides where shared), or none (offset + s)
+//   cos, sin  float32 tables [P, r/2]; rows outside [0, P) are never read
+//   freq      int64 [r/2] fixed-point turns, or none (then rows outside the table are NaN)
+//
+// Math, in float32 whatever T is (fp16/bf16 are cast on load and rounded once with CAST_RINT on
+// store): with full-width rows C (cos of each element's pair), S' (sin with the sign of the
+// element's role) and R(x) (each element replaced by its partner),
+//   y = x * C + R(x) * S'
+// neox (pairs i, i + r/2): C = [c, c], S' = [-s, s], R(x) = [x2, x1]
+// gptj (pairs 2i, 2i + 1): C = c repeated twice, S' = (-s, s) interleaved, R(x) swaps neighbours
+// which gives x' = x*c - y*s and y' = y*c + x*s; INVERSE negates S'. R and the expansions of c, s
+// are vector Gathers with offset tables built once per core; C and S' are built once per tile
+// and reused for every head of q and of k.
+#ifndef ROPE_OPS_ASCEND_ROPE_KERNEL_H
+#define ROPE_OPS_ASCEND_ROPE_KERNEL_H
+
+#include "kernel_operator.h"
+#define ROPE_KERNEL_SIDE
+#include "rope_tiling.h"
+#include "rope_math.h"
+
+namespace rope_ops_ascend {
+
+using namespace AscendC;
+
+constexpr int32_t BUFFER_NUM = 2;  // double buffering of the x / y / tail queues
+
+template <typename T, bool INVERSE>
+class RopeKernel {
+public:
+    __aicore__ inline RopeKernel() {}
+
+    __aicore__ inline void Init(GM_ADDR q, GM_ADDR k, GM_ADDR qOut, GM_ADDR kOut, GM_ADDR pos,
+                                GM_ADDR cos, GM_ADDR sin, GM_ADDR freq, GM_ADDR tiling)
+    {
+        LoadTiling(tiling);
+        qGm_.SetGlobalBuffer((__gm__ T*)q);
+        qOutGm_.SetGlobalBuffer((__gm__ T*)qOut);
+        if (tl_.kHeads > 0) {
+            kGm_.SetGlobalBuffer((__gm__ T*)k);
+            kOutGm_.SetGlobalBuffer((__gm__ T*)kOut);
+        }
+        if (tl_.posMode == ROPE_POS_INT32) pos32Gm_.SetGlobalBuffer((__gm__ int32_t*)pos);
+        if (tl_.posMode == ROPE_POS_INT64) pos64Gm_.SetGlobalBuffer((__gm__ int64_t*)pos);
+        cosGm_.SetGlobalBuffer((__gm__ float*)cos);
+        sinGm_.SetGlobalBuffer((__gm__ float*)sin);
+        if (tl_.hasFreq) freqGm_.SetGlobalBuffer((__gm__ int64_t*)freq);
+        union { int32_t i; float f; } bits;
+        bits.i = (int32_t)tl_.attnFactorBits;
+        attnFactor_ = bits.f;
+
+        int64_t idx = GetBlockIdx();
+        if (idx < tl_.formerNum) {
+            rowStart_ = idx * tl_.formerRows;
+            rowCount_ = tl_.formerRows;
+        } else {
+            rowStart_ = tl_.formerNum * tl_.formerRows + (idx - tl_.formerNum) * tl_.tailRows;
+            rowCount_ = tl_.tailRows;
+        }
+
+        // UB: exactly rope_row_bytes() * tileRows, see rope_tiling.h.
+        int64_t n = tl_.tileRows;
+        int64_t full = n * tl_.rotPad;  // elements of one full-width tile buffer
+        pipe_.InitBuffer(inQueue_, BUFFER_NUM, full * sizeof(T));
+        pipe_.InitBuffer(outQueue_, BUFFER_NUM, full * sizeof(T));
+        if (tl_.tailPad > 0) pipe_.InitBuffer(tailQueue_, BUFFER_NUM, n * tl_.tailPad * sizeof(T));
+        pipe_.InitBuffer(csQueue_, 1, 2 * n * tl_.halfPad * sizeof(float));
+        pipe_.InitBuffer(cosBuf_, full * sizeof(float));
+        pipe_.InitBuffer(sinBuf_, full * sizeof(float));
+        pipe_.InitBuffer(rotOffBuf_, full * sizeof(uint32_t));
+        pipe_.InitBuffer(expOffBuf_, full * sizeof(uint32_t));
+        pipe_.InitBuffer(signBuf_, full * sizeof(float));
+        pipe_.InitBuffer(rotBuf_, full * sizeof(float));
+        if (sizeof(T) != sizeof(float)) {
+            pipe_.InitBuffer(xfBuf_, full * sizeof(float));
+            pipe_.InitBuffer(yfBuf_, full * sizeof(float));
+        }
+        BuildTables();
+    }
+
+    __aicore__ inline void Process()
+    {
+        if (rowCount_ <= 0 || tl_.tileRows <= 0) return;
+        for (int64_t done = 0; done < rowCount_; done += tl_.tileRows) {
+            int64_t n = rowCount_ - done < tl_.tileRows ? rowCount_ - done : tl_.tileRows;
+            int64_t row0 = rowStart_ + done;
+            LoadCosSin(row0, n);
+            for (int64_t h = 0; h < tl_.qHeads; ++h) {
+                RotateHead(qGm_, qOutGm_, tl_.qStrideB, tl_.qStrideS, tl_.qStrideH, tl_.qoStrideB,
+                           tl_.qoStrideS, tl_.qoStrideH, h, row0, n);
+            }
+            for (int64_t h = 0; h < tl_.kHeads; ++h) {
+                RotateHead(kGm_, kOutGm_, tl_.kStrideB, tl_.kStrideS, tl_.kStrideH, tl_.koStrideB,
+                           tl_.koStrideS, tl_.koStrideH, h, row0, n);
+            }
+        }
+    }
+
+private:
+    __aicore__ inline void LoadTiling(GM_ADDR tiling)
+    {
+        GlobalTensor<int64_t> tg;
+        tg.SetGlobalBuffer((__gm__ int64_t*)tiling);
+        int64_t* dst = reinterpret_cast<int64_t*>(&tl_);
+        for (int32_t i = 0; i < ROPE_TILING_FIELDS; ++i) dst[i] = tg.GetValue(i);
+    }
+
+    // Offset and sign tables for a whole tile: row 0 by the scalar unit, the other rows by
+    // vector adds (row t of an offset table is row 0 plus t rows of bytes).
+    __aicore__ inline void BuildTables()
+    {
+        int64_t n = tl_.tileRows;
+        if (n <= 0) return;
+        int64_t w = tl_.rotPad, r = tl_.rotaryDim, h = tl_.halfDim;
+        LocalTensor<uint32_t> rotOff = rotOffBuf_.Get<uint32_t>();
+        LocalTensor<uint32_t> expOff = expOffBuf_.Get<uint32_t>();
+        LocalTensor<float> sign = signBuf_.Get<float>();
+        const float neg = INVERSE ? 1.0f : -1.0f;
+        for (int64_t j = 0; j < w; ++j) {
+            int64_t partner = j, pair = 0;
+            float sg = 1.0f;
+            if (j < r) {
+                if (tl_.interleaved) {
+                    partner = j ^ 1;
+                    pair = j >> 1;
+                    sg = (j & 1) ? -neg : neg;
+                } else {
+                    partner = j < h ? j + h : j - h;
+                    pair = j < h ? j : j - h;
+                    sg = j < h ? neg : -neg;
+                }
+            }
+            rotOff.SetValue(j, (uint32_t)(partner * sizeof(float)));
+            expOff.SetValue(j, (uint32_t)(pair * sizeof(float)));
+            sign.SetValue(j, sg);
+        }
+        event_t sv = static_cast<event_t>(GetTPipePtr()->FetchEventID(HardEvent::S_V));
+        SetFlag<HardEvent::S_V>(sv);
+        WaitFlag<HardEvent::S_V>(sv);
+        LocalTensor<int32_t> rotOffI = rotOff.template ReinterpretCast<int32_t>();
+        LocalTensor<int32_t> expOffI = expOff.template ReinterpretCast<int32_t>();
+        for (int64_t t = 1; t < n; ++t) {
+            Adds(rotOffI[t * w], rotOffI, (int32_t)(t * w * sizeof(float)), (int32_t)w);
+            Adds(expOffI[t * w], expOffI, (int32_t)(t * tl_.halfPad * sizeof(float)), (int32_t)w);
+            Adds(sign[t * w], sign, 0.0f, (int32_t)w);
+        }
+    }
+
+    __aicore__ inline int64_t Position(int64_t b, int64_t s)
+    {
+        if (tl_.posMode == ROPE_POS_INT32) return pos32Gm_.GetValue(b * tl_.posStrideB + s * tl_.posStrideS);
+        if (tl_.posMode == ROPE_POS_INT64) return pos64Gm_.GetValue(b * tl_.posStrideB + s * tl_.posStrideS);
+        return tl_.posOffset + s;
+    }
+
+    // cos/sin rows of tokens row0 .. row0+n-1, gathered by position, then expanded to the full
+    // width C and S' in cosBuf_/sinBuf_. Table rows are copied with DataCopyPad; positions outside
+    // [0, P) never touch the table: they are computed by the scalar unit (or set to NaN).
+    __aicore__ inline void LoadCosSin(int64_t row0, int64_t n)
+    {
+        LocalTensor<float> cs = csQueue_.AllocTensor<float>();
+        int64_t sinBase = tl_.tileRows * tl_.halfPad;
+        DataCopyExtParams rowCopy{1, (uint32_t)(tl_.halfDim * sizeof(float)), 0, 0, 0};
+        DataCopyPadExtParams<float> noPad{};
+        bool scalarWritten = false;
+        for (int64_t t = 0; t < n; ++t) {
+            int64_t row = row0 + t;
+            int64_t b = row / tl_.seq, s = row - b * tl_.seq;
+            int64_t p = Position(b, s);
+            if (p >= 0 && p < tl_.tableRows) {
+                DataCopyPad(cs[t * tl_.halfPad], cosGm_[p * tl_.halfDim], rowCopy, noPad);
+                DataCopyPad(cs[sinBase + t * tl_.halfPad], sinGm_[p * tl_.halfDim], rowCopy, noPad);
+                continue;
+            }
+            if (!scalarWritten) {
+                // The vector unit may still read this buffer from the previous tile.
+                event_t vs = static_cast<event_t>(GetTPipePtr()->FetchEventID(HardEvent::V_S));
+                SetFlag<HardEvent::V_S>(vs);
+                WaitFlag<HardEvent::V_S>(vs);
+                scalarWritten = true;
+            }
+            for (int64_t i = 0; i < tl_.halfDim; ++i) {
+                float c, sn;
+                if (tl_.hasFreq) {
+                    rope_sincos_turns(rope_turns_top(p, freqGm_.GetValue(i)), attnFactor_, &c, &sn);
+                } else {
+                    union { uint32_t u; float f; } nan;
+                    nan.u = 0x7fc00000u;
+                    c = sn = nan.f;
+                }
+                cs.SetValue(t * tl_.halfPad + i, c);
+                cs.SetValue(sinBase + t * tl_.halfPad + i, sn);
+            }
+        }
+        if (scalarWritten) {
+            event_t sv = static_cast<event_t>(GetTPipePtr()->FetchEventID(HardEvent::S_V));
+            SetFlag<HardEvent::S_V>(sv);
+            WaitFlag<HardEvent::S_V>(sv);
+        }
+        csQueue_.EnQue(cs);
+        cs = csQueue_.DeQue<float>();
+        int32_t count = (int32_t)(n * tl_.rotPad);
+        LocalTensor<float> cosFull = cosBuf_.Get<float>();
+        LocalTensor<float> sinFull = sinBuf_.Get<float>();
+        LocalTensor<uint32_t> expOff = expOffBuf_.Get<uint32_t>();
+        Gather(cosFull, cs, expOff, (uint32_t)0, (uint32_t)count);
+        Gather(sinFull, cs, expOff, (uint32_t)(sinBase * sizeof(float)), (uint32_t)count);
+        Mul(sinFull, sinFull, signBuf_.Get<float>(), count);
+        csQueue_.FreeTensor(cs);
+    }
+
+    // Rotary dims [0, r) of head h of tokens row0 .. row0+n-1 (and the pass-through tail).
+    __aicore__ inline void RotateHead(GlobalTensor<T>& in, GlobalTensor<T>& out, int64_t sb,
+                                      int64_t ss, int64_t sh, int64_t osb, int64_t oss, int64_t osh,
+                                      int64_t h, int64_t row0, int64_t n)
+    {
+        DataCopyPadExtParams<T> noPad{};  // isPad = false: pad bytes are never used
+        const uint32_t rotBytes = (uint32_t)(tl_.rotaryDim * sizeof(T));
+        // Copy in: one strided DataCopyPad per run of rows inside one batch entry. Each row is
+        // padded to rotPad elements (32 bytes) in UB.
+        LocalTensor<T> x = inQueue_.AllocTensor<T>();
+        for (int64_t row = row0; row < row0 + n;) {
+            int64_t b = row / tl_.seq, s = row - b * tl_.seq;
+            int64_t len = tl_.seq - s < row0 + n - row ? tl_.seq - s : row0 + n - row;
+            uint32_t gap = len > 1 ? (uint32_t)((ss - tl_.rotaryDim) * sizeof(T)) : 0;
+            DataCopyExtParams p{(uint16_t)len, rotBytes, gap, 0, 0};
+            DataCopyPad(x[(row - row0) * tl_.rotPad], in[b * sb + s * ss + h * sh], p, noPad);
+            row += len;
+        }
+        inQueue_.EnQue(x);
+
+        if (tl_.tailPad > 0) CopyTail(in, out, sb, ss, sh, osb, oss, osh, h, row0, n);
+
+        // Compute.
+        x = inQueue_.DeQue<T>();
+        LocalTensor<T> y = outQueue_.AllocTensor<T>();
+        int32_t count = (int32_t)(n * tl_.rotPad);
+        LocalTensor<float> cosFull = cosBuf_.Get<float>();
+        LocalTensor<float> sinFull = sinBuf_.Get<float>();
+        LocalTensor<float> rot = rotBuf_.Get<float>();
+        LocalTensor<uint32_t> rotOff = rotOffBuf_.Get<uint32_t>();
+        if constexpr (sizeof(T) == sizeof(float)) {
+            LocalTensor<float> xf = x.template ReinterpretCast<float>();
+            LocalTensor<float> yf = y.template ReinterpretCast<float>();
+            Gather(rot, xf, rotOff, (uint32_t)0, (uint32_t)count);
+            Mul(rot, rot, sinFull, count);
+            Mul(yf, xf, cosFull, count);
+            Add(yf, yf, rot, count);
+        } else {
+            LocalTensor<float> xf = xfBuf_.Get<float>();
+            LocalTensor<float> yf = yfBuf_.Get<float>();
+            Cast(xf, x, RoundMode::CAST_NONE, count);
+            Gather(rot, xf, rotOff, (uint32_t)0, (uint32_t)count);
+            Mul(rot, rot, sinFull, count);
+            Mul(yf, xf, cosFull, count);
+            Add(yf, yf, rot, count);
+            Cast(y, yf, RoundMode::CAST_RINT, count);
+        }
+        inQueue_.FreeTensor(x);
+        outQueue_.EnQue(y);
+
+        // Copy out: only the r valid elements of each UB row reach GM.
+        y = outQueue_.DeQue<T>();
+        for (int64_t row = row0; row < row0 + n;) {
+            int64_t b = row / tl_.seq, s = row - b * tl_.seq;
+            int64_t len = tl_.seq - s < row0 + n - row ? tl_.seq - s : row0 + n - row;
+            uint32_t gap = len > 1 ? (uint32_t)((oss - tl_.rotaryDim) * sizeof(T)) : 0;
+            DataCopyExtParams p{(uint16_t)len, rotBytes, 0, gap, 0};
+            DataCopyPad(out[b * osb + s * oss + h * osh], y[(row - row0) * tl_.rotPad], p);
+            row += len;
+        }
+        outQueue_.FreeTensor(y);
+    }
+
+    // Pass-through dims [r, D) when not in place: GM -> UB -> GM through a VECIN/VECOUT bound queue.
+    __aicore__ inline void CopyTail(GlobalTensor<T>& in, GlobalTensor<T>& out, int64_t sb, int64_t ss,
+                                    int64_t sh, int64_t osb, int64_t oss, int64_t osh, int64_t h,
+                                    int64_t row0, int64_t n)
+    {
+        DataCopyPadExtParams<T> noPad{};  // isPad = false: pad bytes are never used
+        const uint32_t tailBytes = (uint32_t)(tl_.tailDim * sizeof(T));
+        LocalTensor<T> t = tailQueue_.AllocTensor<T>();
+        for (int64_t row = row0; row < row0 + n;) {
+            int64_t b = row / tl_.seq, s = row - b * tl_.seq;
+            int64_t len = tl_.seq - s < row0 + n - row ? tl_.seq - s : row0 + n - row;
+            uint32_t gap = len > 1 ? (uint32_t)((ss - tl_.tailDim) * sizeof(T)) : 0;
+            DataCopyExtParams p{(uint16_t)len, tailBytes, gap, 0, 0};
+            DataCopyPad(t[(row - row0) * tl_.tailPad], in[b * sb + s * ss + h * sh + tl_.rotaryDim], p, noPad);
+            row += len;
+        }
+        tailQueue_.EnQue(t);
+        t = tailQueue_.DeQue<T>();
+        for (int64_t row = row0; row < row0 + n;) {
+            int64_t b = row / tl_.seq, s = row - b * tl_.seq;
+            int64_t len = tl_.seq - s < row0 + n - row ? tl_.seq - s : row0 + n - row;
+            uint32_t gap = len > 1 ? (uint32_t)((oss - tl_.tailDim) * sizeof(T)) : 0;
+            DataCopyExtParams p{(uint16_t)len, tailBytes, 0, gap, 0};
+            DataCopyPad(out[b * osb + s * oss + h * osh + tl_.rotaryDim], t[(row - row0) * tl_.tailPad], p);
+            row += len;
+        }
+        tailQueue_.FreeTensor(t);
+    }
+
+    TPipe pipe_;
+    TQue<QuePosition::VECIN, BUFFER_NUM> inQueue_;
+    TQue<QuePosition::VECOUT, BUFFER_NUM> outQueue_;
+    TQueBind<TPosition::VECIN, TPosition::VECOUT, BUFFER_NUM> tailQueue_;
+    TQue<QuePosition::VECIN, 1> csQueue_;
+    TBuf<TPosition::VECCALC> cosBuf_, sinBuf_, rotOffBuf_, expOffBuf_, signBuf_, rotBuf_, xfBuf_, yfBuf_;
+    GlobalTensor<T> qGm_, kGm_, qOutGm_, kOutGm_;
+    GlobalTensor<int32_t> pos32Gm_;
+    GlobalTensor<int64_t> pos64Gm_, freqGm_;
+    GlobalTensor<float> cosGm_, sinGm_;
+    RopeTiling tl_;
+    float attnFactor_ = 1.0f;
+    int64_t rowStart_ = 0, rowCount_ = 0;
+};
+
+}  // namespace rope_ops_ascend
+
+#endif  // ROPE_OPS_ASCEND_ROPE_KERNEL_H
