@@ -10,7 +10,7 @@ from ._errors import RopeError
 def check_inplace_memory(q, k) -> None:
     """RopeError if writing q and k in place could write an element twice or read a written one."""
     for name, t in (("q", q), ("k", k)):
-        if t is not None and torch._debug_has_internal_overlap(t) != 0:
+        if t is not None and _has_internal_overlap(t):
             raise RopeError(f"{name}: in-place on a tensor whose elements overlap (e.g. expanded)")
     if k is not None and _may_overlap(q, k):
         raise RopeError("inplace: q and k overlap in memory; in-place needs disjoint q and k")
@@ -60,3 +60,17 @@ def _inner_span(t) -> int:
 def _ring_intersect(a: int, la: int, b: int, lb: int, ring: int) -> bool:
     d = (b - a) % ring
     return d < la or (ring - d) < lb
+
+
+def _has_internal_overlap(t: torch.Tensor) -> bool:
+    """Whether two indices of t address one element (conservative: True when unsure)."""
+    status = torch._debug_has_internal_overlap(t)  # 0 no, 1 yes, 2 too hard for torch
+    if status != 2:
+        return status == 1
+    # Sorted by stride, each dim must step past everything the smaller dims span.
+    span = 0
+    for stride, size in sorted((abs(s), n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride <= span:
+            return True
+        span += (size - 1) * stride
+    return False

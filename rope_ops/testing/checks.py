@@ -1,0 +1,51 @@
+"""Assertions of the conformance suite, with reports that say where and by how much."""
+
+from __future__ import annotations
+
+import torch
+
+from .tolerances import allowed_error
+
+
+def assert_rope_close(out: torch.Tensor, reference: torch.Tensor, x: torch.Tensor, *, rotary_dim: int,
+                      style: str, what: str = "output") -> None:
+    """``out`` matches the float64 ``reference`` within SPEC's per-element bound.
+
+    Rotary dims: |out - ref| <= bound, NaN exactly where the reference is NaN. Pass-through dims
+    ``[rotary_dim, D)`` must equal the reference (the input, copied) bit for bit.
+    """
+    assert out.shape == reference.shape, f"{what}: shape {tuple(out.shape)} != {tuple(reference.shape)}"
+    got = out.detach().to("cpu", torch.float64)
+    ref = reference.to(torch.float64)
+    rot_got, rot_ref = got[..., :rotary_dim], ref[..., :rotary_dim]
+    nan_ref, nan_got = torch.isnan(rot_ref), torch.isnan(rot_got)
+    if not torch.equal(nan_ref, nan_got):
+        missing = (nan_ref & ~nan_got).sum().item()
+        extra = (nan_got & ~nan_ref).sum().item()
+        raise AssertionError(f"{what}: {extra} unexpected NaN, {missing} expected NaN missing "
+                             f"(of {rot_ref.numel()} rotary elements)")
+    bound = allowed_error(x, ref.nan_to_num(), out.dtype, rotary_dim, style)[..., :rotary_dim]
+    err = (rot_got - rot_ref).abs().nan_to_num(0.0)
+    bad = err > bound
+    if bad.any():
+        idx = bad.nonzero()[0].tolist()
+        excess = (err / bound.clamp_min(1e-300)).max().item()
+        raise AssertionError(
+            f"{what}: {bad.sum().item()} of {bad.numel()} rotary elements out of bounds; first at "
+            f"{idx}: got {rot_got[tuple(idx)].item()!r}, reference {rot_ref[tuple(idx)].item()!r}, "
+            f"allowed {bound[tuple(idx)].item():.3g}; worst error/allowed = {excess:.3g}")
+    if rotary_dim < got.shape[-1]:
+        tail_got, tail_ref = got[..., rotary_dim:], ref[..., rotary_dim:]
+        same = (tail_got == tail_ref) | (torch.isnan(tail_got) & torch.isnan(tail_ref))
+        if not same.all():
+            idx = (~same).nonzero()[0].tolist()
+            raise AssertionError(f"{what}: pass-through dims changed, first at {idx}")
+
+
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Exactly the same bits (NaN-aware): inputs left untouched, determinism."""
+    if a.shape != b.shape:
+        raise AssertionError(f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}")
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else a == b
+    if not bool(same.all()):
+        raise AssertionError(f"{what}: {int((~same).sum())} of {a.numel()} elements differ")
