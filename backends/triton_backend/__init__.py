@@ -64,11 +64,14 @@ def _pick_blocks(n_tokens: int, hq: int, hk: int, head_dim: int, rotary_dim: int
 class _Plan:
     """Everything derived from one exact shape/stride class: ints, grid, compiled kernel."""
 
-    __slots__ = ("ints", "consts", "grid", "num_warps", "runner", "has_pos")
+    __slots__ = ("ints", "consts", "grid", "num_warps", "runner", "has_pos", "tail", "n_tokens",
+                 "seq", "n_rows")
 
     def __init__(self, ints, consts, grid, num_warps, has_pos):
         self.ints = ints
         self.consts = consts
+        self.n_tokens, self.seq, self.n_rows = ints[:3]
+        self.tail = (*ints[3:], *consts)  # strides then constexprs, in signature order
         self.grid = grid
         self.num_warps = num_warps
         self.runner = None
@@ -129,14 +132,20 @@ class TritonBackend(Backend):
 
     def run(self, args: KernelArgs) -> None:
         q, k, qo, ko, pos = args.q, args.k, args.q_out, args.k_out, args.pos
+        # Everything a plan derives from, flat (cheap to hash). pos shapes follow from q's
+        # (validated by the core), so pos strides and dtype suffice.
+        if k is None:
+            kkey = None
+            align = q.data_ptr() | qo.data_ptr()
+        else:
+            kkey = k.shape
+            align = q.data_ptr() | qo.data_ptr() | k.data_ptr() | ko.data_ptr()
         key = (
-            args.layout, q.shape, q.stride(), qo.stride(),
-            None if k is None else (k.shape, k.stride(), ko.stride()),
-            None if pos is None else (pos.shape, pos.stride(), pos.dtype),
-            args.cos.shape, args.freq_turns is None, args.rotary_dim, args.interleaved,
-            args.inverse, args.inplace, q.dtype, q.device,
-            (q.data_ptr() | qo.data_ptr() | (0 if k is None else k.data_ptr() | ko.data_ptr()))
-            & 15,
+            args.layout, q.shape, q.stride(), None if qo is q else qo.stride(),
+            kkey, None if k is None else k.stride(), None if ko is k else ko.stride(),
+            None if pos is None else pos.stride(), None if pos is None else pos.dtype,
+            args.cos.shape[0], args.freq_turns is None, args.rotary_dim, args.interleaved,
+            args.inverse, args.inplace, q.dtype, q.get_device(), align & 15,
         )
         plan = self._plans.get(key)
         if plan is None:
@@ -155,8 +164,8 @@ class TritonBackend(Backend):
         # An offset outside int32 changes the compiled signature: leave it to triton's binder.
         if plan.runner is not None and -(1 << 31) <= off < (1 << 31):
             try:
-                plan.runner(*ptrs, plan.ints[0], plan.ints[1], plan.ints[2], off,
-                            float(args.attention_factor), *plan.ints[3:], *plan.consts)
+                plan.runner(*ptrs, plan.n_tokens, plan.seq, plan.n_rows, off,
+                            float(args.attention_factor), *plan.tail)
                 return
             except Exception:  # a triton whose launcher differs: never try again
                 self.fast_launch = False

@@ -25,7 +25,7 @@ TWO_PI_OVER_2_32 = 6.283185307179586 / 4294967296.0
 @triton.jit
 def _chunk_offsets(row_off, h, s_h, d, s_d, D_CONTIG: tl.constexpr):
     """[BT, BH, ND] element offsets: token rows x heads x dims."""
-    hd = (h * s_h).to(tl.int64)
+    hd = h.to(tl.int64) * s_h
     if D_CONTIG:
         dd = d
     else:
