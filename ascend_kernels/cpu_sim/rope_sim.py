@@ -41,6 +41,25 @@ def build(out_dir: str | os.PathLike) -> Path:
     return out
 
 
+def build_cached() -> Path:
+    """build() into a temp directory keyed by the sources' hash (shared by test files and runs)."""
+    import hashlib
+    import tempfile
+
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
+    out_dir = Path(tempfile.gettempdir()) / f"rope_ops_ascend_sim_{h.hexdigest()[:16]}"
+    lib = out_dir / "librope_sim.so"
+    if not lib.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out_dir))
+        built = build(tmp)
+        os.replace(built, lib)  # atomic: concurrent test processes may race
+    return lib
+
+
 class Sim:
     def __init__(self, lib_path: str | os.PathLike):
         self.lib = ctypes.CDLL(str(lib_path))

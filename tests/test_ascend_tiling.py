@@ -1,0 +1,278 @@
+"""The Ascend kernels' tiling as a tested module (no NPU needed).
+
+* backends/ascend_backend/tiling.py (Python mirror) == ascend_kernels/rope_tiling.h
+  (compute_rope_tiling, compiled with g++ via the CPU simulation library), field for field;
+* invariants over many shapes, dtypes, UB sizes and core counts (hypothesis): every row covered
+  exactly once, buffers within the UB, 32-byte aligned buffers, DataCopyPad limits;
+* golden cases computed by hand.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rope_ops_backends.ascend_backend import tiling as tl
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ROOT / "ascend_kernels"
+
+
+def _load_sim_module():
+    spec = importlib.util.spec_from_file_location("rope_sim", KERNELS / "cpu_sim" / "rope_sim.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def sim():
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
+    mod = _load_sim_module()
+    return mod.Sim(mod.build_cached())
+
+
+def test_field_order_matches_header():
+    text = (KERNELS / "rope_tiling.h").read_text()
+    body = text[text.index("typedef struct RopeTiling {"): text.index("} RopeTiling;")]
+    body = re.sub(r"//[^\n]*", "", body)
+    names = []
+    for decl in re.findall(r"int64_t\s+([^;]+);", body):
+        names += [n.strip() for n in decl.split(",")]
+    assert tuple(names) == tl.FIELDS
+
+
+def test_constants_match_header():
+    text = (KERNELS / "rope_tiling.h").read_text()
+    consts = dict(re.findall(r"#define (ROPE_[A-Z_]+) (\d+)", text))
+    assert int(consts["ROPE_TILING_VERSION"]) == tl.TILING_VERSION
+    assert int(consts["ROPE_UB_RESERVE"]) == tl.UB_RESERVE
+    assert int(consts["ROPE_BLOCK_BYTES"]) == tl.BLOCK_BYTES
+    assert int(consts["ROPE_MAX_BLOCK_COUNT"]) == tl.MAX_BLOCK_COUNT
+    assert int(consts["ROPE_MAX_BLOCK_LEN"]) == tl.MAX_BLOCK_LEN
+    assert int(consts["ROPE_MAX_TILE_ROWS"]) == tl.MAX_TILE_ROWS
+
+
+UB_SIZES = [196608, 262144, 260096, 65536, 16384, 4096]
+CORES = [1, 2, 7, 20, 24, 40, 48, 64]
+
+
+@st.composite
+def shapes(draw):
+    es = draw(st.sampled_from([2, 4]))
+    d = draw(st.integers(1, 300)) * 2 if draw(st.booleans()) else draw(st.sampled_from([2, 14, 64, 80, 128, 256, 576, 1022]))
+    r = draw(st.integers(1, d // 2)) * 2
+    batch = draw(st.integers(0, 9))
+    seq = draw(st.integers(0, 3000)) if draw(st.booleans()) else draw(st.integers(0, 40))
+    hq = draw(st.integers(1, 40))
+    hk = draw(st.integers(0, 8))
+    inplace = draw(st.booleans())
+    layout = draw(st.sampled_from(["bshd", "sbhd", "bhsd", "thd", "packed"]))
+
+    def strides(h):
+        if layout == "bshd":
+            return seq * h * d, h * d, d
+        if layout == "sbhd":
+            return h * d, batch * h * d, d
+        if layout == "bhsd":
+            return h * seq * d, d, seq * d
+        if layout == "thd":
+            return 0, h * d, d
+        return seq * 3 * h * d, 3 * h * d, d  # slices of a packed qkv tensor
+
+    p = {"batch": 1 if layout == "thd" else batch, "seq": seq, "qHeads": hq, "kHeads": hk, "headDim": d,
+         "rotaryDim": r, "elemSize": es, "interleaved": int(draw(st.booleans())),
+         "inverse": int(draw(st.booleans())), "inplace": int(inplace)}
+    for name, h in (("q", hq), ("k", hk), ("qo", hq), ("ko", hk)):
+        p[name + "StrideB"], p[name + "StrideS"], p[name + "StrideH"] = strides(max(h, 1))
+    pos_mode = draw(st.sampled_from([tl.POS_OFFSET, tl.POS_INT32, tl.POS_INT64]))
+    p.update(posMode=pos_mode, posStrideB=0 if pos_mode == tl.POS_OFFSET else draw(st.sampled_from([0, seq])),
+             posStrideS=0 if pos_mode == tl.POS_OFFSET else 1, posOffset=draw(st.integers(-5, 10**6)),
+             tableRows=draw(st.integers(0, 1 << 20)), hasFreq=int(draw(st.booleans())),
+             attnFactorBits=tl.float_bits(1.0))
+    return p
+
+
+def _c_vs_py(sim, p, ub, cores):
+    status, c = sim.c_tiling(p, tl.FIELDS, ub, cores)
+    try:
+        py = tl.compute_tiling(p, ub, cores)
+    except tl.TilingError as e:
+        assert status == e.status, (status, e.status, p)
+        return None
+    assert status == tl.OK, (status, p)
+    assert c == py
+    return py
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=shapes(), ub=st.sampled_from(UB_SIZES), cores=st.sampled_from(CORES))
+def test_python_mirror_equals_c_tiling(sim, p, ub, cores):
+    _c_vs_py(sim, p, ub, cores)
+
+
+def check_invariants(t: dict, cores: int) -> None:
+    es = t["elemSize"]
+    # Cores and rows.
+    assert 0 <= t["blockDim"] <= cores
+    if t["totalRows"] == 0:
+        assert t["blockDim"] == 0
+        return
+    assert t["blockDim"] >= 1
+    covered = []
+    for blk in range(t["blockDim"]):
+        start, count = tl.core_rows(t, blk)
+        assert count >= 1
+        for row0, n in tl.tiles(t, blk):
+            assert 1 <= n <= t["tileRows"] <= tl.MAX_TILE_ROWS
+            covered.extend(range(row0, row0 + n))
+            # One DataCopyPad per segment and head: its limits.
+            segs = tl.segments(t, row0, n)
+            assert sum(s[2] for s in segs) == n
+            for b, s, length in segs:
+                assert 0 <= b < t["batch"] and 0 <= s and s + length <= t["seq"]
+                assert 1 <= length <= tl.MAX_BLOCK_COUNT
+    assert covered == list(range(t["totalRows"])), "rows not covered exactly once, in order"
+    rows = [tl.core_rows(t, b)[1] for b in range(t["blockDim"])]
+    assert max(rows) - min(rows) <= 1, "unbalanced split"
+    # UB: everything the kernel allocates fits, every buffer is a whole number of 32-byte blocks.
+    assert t["ubBytes"] == t["tileRows"] * t["rowBytes"]
+    assert t["ubBytes"] + tl.UB_RESERVE <= t["ubSize"]
+    assert (t["rotPad"] * es) % 32 == 0 and t["rotPad"] >= t["rotaryDim"] and t["rotPad"] - t["rotaryDim"] < 32 // es
+    assert (t["halfPad"] * 4) % 32 == 0 and t["halfPad"] >= t["halfDim"]
+    assert (t["tailPad"] * es) % 32 == 0
+    if t["tailDim"] > 0 and not t["inplace"]:
+        assert t["tailPad"] >= t["tailDim"]
+    else:
+        assert t["tailPad"] == 0
+    # DataCopyPad: block lengths and GM strides fit their fields.
+    assert t["rotaryDim"] * es <= tl.MAX_BLOCK_LEN and t["tailDim"] * es <= tl.MAX_BLOCK_LEN
+    if t["seq"] > 1:
+        lens = [t["rotaryDim"]] + ([t["tailDim"]] if t["tailPad"] else [])
+        names = ["qStrideS", "qoStrideS"] + (["kStrideS", "koStrideS"] if t["kHeads"] else [])
+        for length in lens:
+            for name in names:
+                assert 0 <= (t[name] - length) * es <= tl.MAX_STRIDE
+    # Gather byte offsets (uint32) stay inside the tile buffers.
+    assert t["tileRows"] * t["rotPad"] * 4 < 2**32
+    assert 2 * t["tileRows"] * t["halfPad"] * 4 < 2**32
+
+
+@settings(max_examples=400, deadline=None)
+@given(p=shapes(), ub=st.sampled_from(UB_SIZES), cores=st.sampled_from(CORES))
+def test_invariants(p, ub, cores):
+    try:
+        t = tl.compute_tiling(p, ub, cores)
+    except tl.TilingError as e:
+        # Refusals must be justified.
+        if e.status == tl.UB_TOO_SMALL:
+            probe = dict(p)
+            t = {**{k: 0 for k in tl.FIELDS}, **probe}
+            es = p["elemSize"]
+            pb = 32 // es
+            t["rotPad"] = -(-p["rotaryDim"] // pb) * pb
+            t["halfPad"] = -(-(p["rotaryDim"] // 2) // 8) * 8
+            tail = p["headDim"] - p["rotaryDim"]
+            t["tailPad"] = -(-tail // pb) * pb if tail and not p["inplace"] else 0
+            assert tl.row_bytes(t) > ub - tl.UB_RESERVE
+        elif e.status == tl.BAD_STRIDES:
+            assert p["seq"] > 1
+        return
+    check_invariants(t, cores)
+
+
+def _params(**kw):
+    p = {"batch": 1, "seq": 64, "qHeads": 2, "kHeads": 0, "headDim": 64, "rotaryDim": 64, "elemSize": 2,
+         "interleaved": 0, "inverse": 0, "inplace": 0, "posMode": 0, "posStrideB": 0, "posStrideS": 0,
+         "posOffset": 0, "tableRows": 4096, "hasFreq": 1, "attnFactorBits": tl.float_bits(1.0)}
+    p.update(kw)
+    h, d, s = p["qHeads"], p["headDim"], p["seq"]
+    for name in ("q", "qo"):
+        p.setdefault(name + "StrideB", s * h * d)
+        p.setdefault(name + "StrideS", h * d)
+        p.setdefault(name + "StrideH", d)
+    for name in ("k", "ko"):
+        p.setdefault(name + "StrideB", 0)
+        p.setdefault(name + "StrideS", 0)
+        p.setdefault(name + "StrideH", 0)
+    return p
+
+
+def test_golden_fp16_d64_40_cores(sim):
+    # rotPad 64, halfPad 32; per row: io 2*2*64*2=512, cs 2*32*4=256, f32 6*64*4=1536, cast 512.
+    t = _c_vs_py(sim, _params(), 196608, 40)
+    assert (t["rotPad"], t["halfPad"], t["tailPad"], t["rowBytes"]) == (64, 32, 0, 2816)
+    # 64 rows on 40 cores: 24 cores take 2 rows, 16 take 1; tiles of 2 rows.
+    assert (t["blockDim"], t["formerNum"], t["formerRows"], t["tailRows"], t["tileRows"]) == (40, 24, 2, 1, 2)
+    assert t["ubBytes"] == 5632
+
+
+def test_golden_fp32_partial_rotary_many_rows(sim):
+    # D 128, r 64, not in place: tail 64 floats. Per row: io 2*2*64*4=1024, tail 2*64*4=512,
+    # cs 2*32*4=256, f32 6*64*4=1536, no cast buffers -> 3328 bytes.
+    t = _c_vs_py(sim, _params(batch=4, seq=1000, qHeads=32, kHeads=8, headDim=128, rotaryDim=64, elemSize=4,
+                              kStrideB=1000 * 8 * 128, kStrideS=8 * 128, kStrideH=128,
+                              koStrideB=1000 * 8 * 128, koStrideS=8 * 128, koStrideH=128), 262144, 48)
+    assert (t["rotPad"], t["halfPad"], t["tailDim"], t["tailPad"], t["rowBytes"]) == (64, 32, 64, 64, 3328)
+    # 4000 rows on 48 cores: 4000 = 48*83 + 16 -> 16 cores with 84, 32 with 83.
+    assert (t["blockDim"], t["formerNum"], t["formerRows"], t["tailRows"]) == (48, 16, 84, 83)
+    # (262144 - 2048) // 3328 = 78 rows per tile.
+    assert t["tileRows"] == 78 and t["ubBytes"] == 78 * 3328
+
+
+def test_golden_unaligned_bf16(sim):
+    # D 14, r 10 (unaligned halves): rotPad 16, halfPad 8, tail 4 -> tailPad 16 elements.
+    t = _c_vs_py(sim, _params(seq=46, qHeads=3, headDim=14, rotaryDim=10, elemSize=2, interleaved=1), 196608, 40)
+    assert (t["rotPad"], t["halfPad"], t["tailDim"], t["tailPad"]) == (16, 8, 4, 16)
+    assert (t["blockDim"], t["formerNum"], t["formerRows"], t["tailRows"], t["tileRows"]) == (40, 6, 2, 1, 2)
+
+
+def test_golden_inplace_drops_tail(sim):
+    t = _c_vs_py(sim, _params(headDim=128, rotaryDim=64, inplace=1), 196608, 40)
+    assert t["tailDim"] == 64 and t["tailPad"] == 0
+
+
+def test_ub_size_is_a_runtime_input(sim):
+    small = _c_vs_py(sim, _params(seq=5000), 16384, 1)
+    big = _c_vs_py(sim, _params(seq=5000), 262144, 1)
+    assert small["ubSize"] == 16384 and big["ubSize"] == 262144
+    assert small["tileRows"] == (16384 - 2048) // 2816 and big["tileRows"] == (262144 - 2048) // 2816
+
+
+def test_zero_rows(sim):
+    t = _c_vs_py(sim, _params(seq=0), 196608, 40)
+    assert t["blockDim"] == 0 and t["tileRows"] == 0
+
+
+def test_refusals(sim):
+    with pytest.raises(tl.TilingError) as e:
+        tl.compute_tiling(_params(headDim=30000, rotaryDim=30000), 196608, 40)
+    assert e.value.status == tl.UB_TOO_SMALL
+    assert sim.c_tiling(_params(headDim=30000, rotaryDim=30000), tl.FIELDS, 196608, 40)[0] == tl.UB_TOO_SMALL
+    # Rows that overlap (stride smaller than the rotary width) cannot be one strided copy.
+    with pytest.raises(tl.TilingError) as e:
+        tl.compute_tiling(_params(qStrideS=32), 196608, 40)
+    assert e.value.status == tl.BAD_STRIDES
+    for bad in (dict(rotaryDim=63), dict(rotaryDim=0), dict(rotaryDim=66), dict(elemSize=8)):
+        with pytest.raises(tl.TilingError) as e:
+            tl.compute_tiling(_params(**bad), 196608, 40)
+        assert e.value.status == tl.BAD_PARAMS
+    with pytest.raises(tl.TilingError) as e:
+        tl.compute_tiling(_params(headDim=2 * 1048576, rotaryDim=1048576 * 2), 1 << 40, 40)
+    assert e.value.status == tl.BLOCK_LIMIT
+
+
+def test_pack_roundtrip():
+    t = tl.compute_tiling(_params(), 196608, 40)
+    raw = tl.pack(t)
+    assert len(raw) == 8 * len(tl.FIELDS)
+    import struct
+
+    assert dict(zip(tl.FIELDS, struct.unpack(f"<{len(tl.FIELDS)}q", raw))) == t
