@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rope_ops.backend import FLOAT_DTYPES, Backend, KernelArgs, RopeCall, bshd_view, cos_sin_rows, positions_bs
+from rope_ops.backend import FLOAT_DTYPES, Backend, KernelArgs, bshd_view, cos_sin_rows, positions_bs
 
 
 class TorchBackend(Backend):
@@ -17,9 +17,6 @@ class TorchBackend(Backend):
     priority = 0
     device_types = frozenset({"*"})  # any device torch runs on
     dtypes = frozenset(FLOAT_DTYPES)
-
-    def supports(self, call: RopeCall) -> list[str]:
-        return super().supports(call._replace(device_type="*"))
 
     def describe(self) -> dict:
         return {**super().describe(), "devices": ["any"]}

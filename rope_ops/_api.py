@@ -70,8 +70,15 @@ def apply_grad(grad_q: torch.Tensor, grad_k: torch.Tensor | None, pos, **kwargs)
     return _apply(grad_q, grad_k, pos, *values, inverse=True)
 
 
+def which_backend(q, k, pos, *, rotary_dim=None, style=None, layout=None, base=None, scaling=None,
+                  rope=None, cos_sin=None, inplace=False, backend=None, max_position=None, seq_len=None):
+    """The name of the backend ``apply`` would run for these arguments (nothing is computed)."""
+    return _apply(q, k, pos, rotary_dim, style, layout, base, scaling, rope, cos_sin, inplace,
+                  backend, max_position, seq_len, inverse=False, select_only=True)
+
+
 def _apply(q, k, pos, rotary_dim, style, layout, base, scaling, rope, cos_sin, inplace, backend,
-           max_position, seq_len, inverse):
+           max_position, seq_len, inverse, select_only=False):
     layout, head_dim, leading = _check_tensors(q, k, layout)
     if rope is not None:
         if rotary_dim is not None or base is not None or scaling is not None or cos_sin is not None:
@@ -137,6 +144,8 @@ def _apply(q, k, pos, rotary_dim, style, layout, base, scaling, rope, cos_sin, i
         chosen = _select.select_name_constant(call, backend)
     else:
         chosen = _select.select(call, backend).name
+        if select_only:
+            return chosen
         if not needs_grad or inverse:  # the hot inference path: straight to the backend
             return run_backend(chosen, q, k, pos_tensor, pos_offset, cos, sin, freq_turns,
                                attention_factor, layout, rotary_dim, interleaved, inverse, inplace)

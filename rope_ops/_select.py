@@ -121,7 +121,8 @@ def _auto(call: RopeCall) -> Backend:
     refusals = {name: [f"failed to load: {why}"] for name, why in failures.items()}
     ranked = sorted(loaded.values(), key=lambda b: (b.name == FALLBACK, -b.priority, b.name))
     for candidate in ranked:
-        if call.device_type not in candidate.auto_devices() and candidate.name != FALLBACK:
+        auto_devices = candidate.auto_devices()
+        if call.device_type not in auto_devices and "*" not in auto_devices and candidate.name != FALLBACK:
             refusals[candidate.name] = [f"not auto-selected on {call.device_type!r} (name it to use it)"]
             continue
         why = reasons(candidate, call)

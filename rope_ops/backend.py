@@ -86,7 +86,7 @@ class Backend:
     name: ClassVar[str] = ""
     # Higher wins in automatic selection; the torch fallback has 0.
     priority: ClassVar[int] = 0
-    device_types: ClassVar[frozenset[str]] = frozenset()
+    device_types: ClassVar[frozenset[str]] = frozenset()  # "*": any device
     # Devices on which automatic selection may pick this backend (a subset of device_types);
     # others need the backend named explicitly.
     auto_device_types: ClassVar[frozenset[str] | None] = None
@@ -107,7 +107,7 @@ class Backend:
     def supports(self, call: RopeCall) -> list[str]:
         """Why this backend cannot take this kind of call. Metadata only, never data."""
         reasons = []
-        if call.device_type not in self.device_types:
+        if call.device_type not in self.device_types and "*" not in self.device_types:
             reasons.append(f"device {call.device_type!r} not in {sorted(self.device_types)}")
         if call.dtype not in self.dtypes:
             reasons.append(f"dtype {call.dtype} not in {sorted(str(d) for d in self.dtypes)}")

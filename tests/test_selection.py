@@ -1,0 +1,134 @@
+"""Backend selection: ROPE_OPS_BACKEND (unset/auto, a name, a comma list), backend=, use_backend."""
+
+import pytest
+import torch
+
+import rope_ops
+from rope_ops import BackendError, _select, registry
+from rope_ops.backend import Backend
+from rope_ops_backends.torch_backend import TorchBackend
+
+
+class Recording(TorchBackend):
+    """A torch backend that counts its runs and refuses what it is told to."""
+
+    def __init__(self, name, priority=0, devices=("cpu",), refuse=(), unavailable=None, auto=None):
+        self.name = name
+        self.priority = priority
+        self.device_types = frozenset(devices)
+        self.auto_device_types = None if auto is None else frozenset(auto)
+        self.refuse = refuse
+        self.unavailable = unavailable
+        self.runs = 0
+
+    def availability(self):
+        return [self.unavailable] if self.unavailable else []
+
+    def supports(self, call):
+        reasons = Backend.supports(self, call)
+        if call.dtype in self.refuse:
+            reasons.append(f"refuses {call.dtype}")
+        return reasons
+
+    def run(self, args):
+        self.runs += 1
+        super().run(args)
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    monkeypatch.delenv("ROPE_OPS_BACKEND", raising=False)
+    backends = {
+        "torch": Recording("torch", devices=("*",)),
+        "fast": Recording("fast", priority=20, refuse=(torch.float64,)),
+        "medium": Recording("medium", priority=10),
+        "broken": Recording("broken", priority=30, unavailable="SDK missing"),
+        "manual": Recording("manual", priority=50, auto=()),
+    }
+    with registry.override(backends):
+        yield backends
+
+
+def call(dtype=torch.float32, **kwargs):
+    q = torch.randn(2, 3, 4, 8, dtype=dtype)
+    return rope_ops.apply(q, q[:, :, :2].clone(), 0, **kwargs)
+
+
+def test_auto_picks_highest_priority_that_accepts(fakes):
+    call()
+    assert fakes["fast"].runs == 1 and fakes["broken"].runs == 0 and fakes["manual"].runs == 0
+    call(torch.float64)  # fast refuses float64, medium does not
+    assert fakes["medium"].runs == 1
+
+
+def test_torch_is_last_resort(fakes, monkeypatch):
+    monkeypatch.setenv("ROPE_OPS_BACKEND", "auto")
+    q = torch.randn(2, 3, 4, 8)
+    assert rope_ops.select_backend(q, None, 0) == "fast"
+    q_meta = torch.empty(2, 3, 4, 8, device="meta")
+    assert rope_ops.select_backend(q_meta, None, 0) == "torch"  # no other backend runs on meta
+
+
+def test_single_name_is_strict(fakes, monkeypatch):
+    monkeypatch.setenv("ROPE_OPS_BACKEND", "medium")
+    call()
+    assert fakes["medium"].runs == 1 and fakes["fast"].runs == 0
+    monkeypatch.setenv("ROPE_OPS_BACKEND", "fast")
+    with pytest.raises(BackendError, match="refuses torch.float64"):
+        call(torch.float64)
+    monkeypatch.setenv("ROPE_OPS_BACKEND", "broken")
+    with pytest.raises(BackendError, match="SDK missing"):
+        call()
+
+
+def test_unknown_name_fails_loudly(fakes, monkeypatch):
+    monkeypatch.setenv("ROPE_OPS_BACKEND", "cudaa")
+    with pytest.raises(BackendError, match="unknown backend.*cudaa"):
+        call()
+
+
+def test_comma_list_is_ordered_preference(fakes, monkeypatch):
+    monkeypatch.setenv("ROPE_OPS_BACKEND", "broken, medium, fast")
+    call()
+    assert fakes["medium"].runs == 1
+    call(torch.float64)
+    assert fakes["medium"].runs == 2
+    monkeypatch.setenv("ROPE_OPS_BACKEND", "broken,fast")
+    with pytest.raises(BackendError) as info:
+        call(torch.float64)
+    assert "SDK missing" in str(info.value) and "refuses torch.float64" in str(info.value)
+
+
+def test_per_call_argument_and_context_override_env(fakes, monkeypatch):
+    monkeypatch.setenv("ROPE_OPS_BACKEND", "medium")
+    call(backend="manual")
+    assert fakes["manual"].runs == 1
+    with rope_ops.use_backend("fast"):
+        call()
+        call(backend="torch")
+    assert fakes["fast"].runs == 1 and fakes["torch"].runs == 1
+    call()
+    assert fakes["medium"].runs == 1
+
+
+def test_decision_cached_per_kind_of_call(fakes, monkeypatch):
+    calls = []
+    original = _select._decide
+    monkeypatch.setattr(_select, "_decide", lambda *a: calls.append(a) or original(*a))
+    for _ in range(5):
+        call()
+    call(torch.float64)
+    assert len(calls) == 2
+
+
+def test_error_lists_every_backend(fakes):
+    q = torch.empty(2, 3, 4, 8, device="meta")
+    with pytest.raises(BackendError) as info:
+        rope_ops.apply(q, None, 0, backend="fast,medium,broken,manual")
+    assert info.value.args[0].count("\n  ") >= 4
+
+
+def test_real_registry_auto_on_cpu_is_torch(monkeypatch):
+    monkeypatch.delenv("ROPE_OPS_BACKEND", raising=False)
+    q = torch.randn(1, 2, 2, 8)
+    assert rope_ops.select_backend(q, None, 0) == "torch"
