@@ -1,0 +1,375 @@
+"""The Ascend NPU backend: three tiers, chosen per call in ``run``.
+
+1. ``kernels``: rope_ops' own Ascend C kernels (ascend_kernels/), when their library has been
+   built on this machine and loads: ops ``torch.ops.rope_ops_ascend.rotary_embedding[_grad]``.
+   Any layout, strides (stride 1 on head_dim), GQA, partial rotary, in place, any position
+   (out-of-table rows computed on the fly in the kernel), one launch for q and k.
+2. ``npu_rotary_mul``: ``torch_npu.npu_rotary_mul`` (CANN's fused RotaryPositionEmbedding), only
+   for calls inside its documented limits (limits.py, checked in Python first). rope_ops builds
+   per-token cos/sin rows (``cos_sin_rows``: never reads outside the table), expands them to the
+   full width the op expects (neox: cat(c, c), mode "half"; gptj: c.repeat_interleave(2), mode
+   "interleave"), and rotates the first rotary_dim dims; the tail is copied (or kept in place).
+   It runs in float32 (x is upcast, then rounded once into the output) because torch_npu casts
+   r1/r2 to x's dtype: fp16/bf16 cos/sin would break SPEC's one-ulp accuracy.
+   The backward (``inverse=True``, called by rope_ops on the output gradients) is the same op
+   with sin negated: the gradient of a rotation is the rotation by minus the angle. We do not use
+   ``torch.ops.npu.npu_rotary_mul_backward``: it computes the same dx through
+   aclnnRotaryPositionEmbeddingGrad but has extra limits (B < S for B1SD/BS1D cos, B*N <= 1024
+   once x is passed), and rope_ops' autograd never needs dcos/dsin.
+3. ``torch``: the pure-torch backend's ``run`` on the npu device (always possible).
+
+Importing this module imports neither torch_npu nor any kernel library; ``availability()`` does,
+guarded against ImportError/OSError/RuntimeError (torch_npu without CANN fails to import).
+
+Environment:
+  ROPE_OPS_ASCEND_TIERS     allowed tiers, comma list of kernels,npu_rotary_mul,torch (default all)
+  ROPE_OPS_ASCEND_LIB       path of the built kernel library (default: see ``library_candidates``)
+  ROPE_OPS_ASCEND_UB_SIZE   unified-buffer bytes per vector core for the kernels' tiling
+                            (default 196608, Atlas A2/A3)
+  ROPE_OPS_ASCEND_CORES     vector cores to split rows over (default: the device's vector_core_num)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from rope_ops.backend import Backend, KernelArgs, RopeCall, bshd_view, cos_sin_rows, positions_bs
+
+from . import limits as _limits
+
+TIERS = ("kernels", "npu_rotary_mul", "torch")
+LIB_NAME = "librope_ops_ascend.so"
+DEFAULT_UB_SIZE = 196608  # Atlas A2/A3 (dav-2201): 192 KiB of UB per AI vector core
+DEFAULT_CORES = 40
+BUILD_COMMAND = "bash ascend_kernels/build.sh"
+
+_lock = threading.Lock()
+
+
+def library_candidates() -> list[Path]:
+    """Where a built kernel library is looked for, in order."""
+    out = []
+    env = os.environ.get("ROPE_OPS_ASCEND_LIB")
+    if env:
+        out.append(Path(env).expanduser())
+    try:
+        from .._paths import source_dir
+
+        out.append(source_dir("ascend_kernels") / "build" / LIB_NAME)
+    except FileNotFoundError:
+        pass
+    cache = os.environ.get("ROPE_OPS_CACHE")
+    root = Path(cache).expanduser() if cache else Path.home() / ".cache" / "rope_ops"
+    out.append(root / "ascend" / LIB_NAME)
+    return out
+
+
+def _short(e: BaseException, n: int = 400) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+class _Env:
+    """What this process has: torch_npu, devices, kernels. Probed once, lazily."""
+
+    def __init__(self):
+        self.torch_npu = None
+        self.reasons: list[str] = []
+        self.device_count = 0
+        self.kernel_ops = None  # (forward op, grad op) once loaded
+        self.kernel_status = "not probed"
+        self.rotary_mul = None
+
+
+def _import_torch_npu():
+    """(module, None) or (None, reason). Never raises."""
+    if "torch_npu" in sys.modules and sys.modules["torch_npu"] is not None:
+        return sys.modules["torch_npu"], None
+    try:
+        spec = importlib.util.find_spec("torch_npu")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return None, "torch_npu is not installed (pip install torch-npu matching this torch, on a machine with CANN)"
+    try:
+        import torch_npu  # noqa: F401  (registers the "npu" device)
+    except (ImportError, OSError, RuntimeError) as e:
+        return None, ("torch_npu is installed but failed to import; CANN libraries missing or not "
+                      f"sourced (source <CANN>/set_env.sh): {_short(e)}")
+    return torch_npu, None
+
+
+class AscendBackend(Backend):
+    name = "ascend"
+    priority = 20
+    device_types = frozenset({"npu"})
+    dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+    def __init__(self):
+        self._env: _Env | None = None
+        self._torch_backend = None
+        self._core_num: dict[int, int] = {}
+        self.tier_counts = {t: 0 for t in TIERS}  # calls served per tier (for info and tests)
+        self.last_tier: str | None = None
+        self.last_reasons: dict[str, list[str]] = {}
+
+    # ---------------------------------------------------------------- environment
+    def _probe(self) -> _Env:
+        if self._env is not None:
+            return self._env
+        with _lock:
+            if self._env is not None:
+                return self._env
+            env = _Env()
+            mod, why = _import_torch_npu()
+            if mod is None:
+                env.reasons.append(why)
+                built = [p for p in library_candidates() if p.is_file()]
+                env.kernel_status = ("not loaded (torch_npu unavailable); " +
+                                     (f"built at {built[0]}" if built else "not built"))
+            else:
+                env.torch_npu = mod
+                env.rotary_mul = getattr(mod, "npu_rotary_mul", None)
+                npu = getattr(torch, "npu", None)
+                try:
+                    env.device_count = int(npu.device_count()) if npu is not None and npu.is_available() else 0
+                except Exception as e:  # driver missing, broken runtime
+                    env.reasons.append(f"torch.npu is not usable: {_short(e)}")
+                    env.device_count = 0
+                else:
+                    if env.device_count == 0:
+                        vis = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
+                        extra = f" (ASCEND_RT_VISIBLE_DEVICES={vis!r})" if vis is not None else ""
+                        env.reasons.append(f"no NPU device visible{extra}")
+                self._load_kernels(env)
+            self._env = env
+            return env
+
+    def _load_kernels(self, env: _Env) -> None:
+        if not self._tier_allowed("kernels"):
+            env.kernel_status = "disabled by ROPE_OPS_ASCEND_TIERS"
+            return
+        existing = [p for p in library_candidates() if p.is_file()]
+        if not existing:
+            env.kernel_status = (f"not built (no {LIB_NAME} in "
+                                 f"{', '.join(str(p.parent) for p in library_candidates())}; "
+                                 f"build with `{BUILD_COMMAND}` on a machine with CANN)")
+            return
+        path = existing[0]
+        try:
+            torch.ops.load_library(str(path))
+            ns = torch.ops.rope_ops_ascend
+            env.kernel_ops = (ns.rotary_embedding.default, ns.rotary_embedding_grad.default)
+            env.kernel_status = f"loaded from {path}"
+        except Exception as e:
+            env.kernel_status = f"failed to load {path}: {_short(e)}"
+
+    def availability(self) -> list[str]:
+        env = self._probe()
+        if not env.reasons:
+            return []
+        return list(env.reasons) + [f"(own Ascend C kernels: {env.kernel_status})"]
+
+    def supports(self, call: RopeCall) -> list[str]:
+        return super().supports(call)
+
+    @staticmethod
+    def _tier_allowed(tier: str) -> bool:
+        raw = os.environ.get("ROPE_OPS_ASCEND_TIERS", "").strip()
+        if not raw or raw == "auto":
+            return True
+        return tier in {t.strip() for t in raw.split(",")}
+
+    def tiers(self) -> list[dict]:
+        """Each tier and whether it can serve calls in this process (for ``python -m rope_ops info``)."""
+        env = self._probe()
+        npu_ok = env.torch_npu is not None and env.device_count > 0
+
+        def status(tier, ok, text):
+            if not self._tier_allowed(tier):
+                return {"tier": tier, "usable": False, "status": "disabled by ROPE_OPS_ASCEND_TIERS"}
+            return {"tier": tier, "usable": bool(ok), "status": text}
+
+        rm = ("available (inside its documented limits)" if env.rotary_mul is not None
+              else "torch_npu unavailable" if env.torch_npu is None else "torch_npu has no npu_rotary_mul")
+        return [
+            status("kernels", npu_ok and env.kernel_ops is not None, env.kernel_status),
+            status("npu_rotary_mul", npu_ok and env.rotary_mul is not None, rm),
+            status("torch", npu_ok, "available" if npu_ok else "; ".join(env.reasons) or "no NPU"),
+        ]
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d["tiers"] = self.tiers()
+        d["tier_counts"] = dict(self.tier_counts)
+        return d
+
+    # ---------------------------------------------------------------- per-call choice
+    def _device_index(self, t: torch.Tensor) -> int:
+        idx = t.device.index
+        if idx is None:
+            try:
+                idx = int(torch.npu.current_device())
+            except Exception:
+                idx = 0
+        return idx
+
+    def _cores(self, t: torch.Tensor) -> int:
+        env_cores = os.environ.get("ROPE_OPS_ASCEND_CORES")
+        if env_cores:
+            return max(1, int(env_cores))
+        idx = self._device_index(t)
+        if idx not in self._core_num:
+            n = 0
+            try:
+                n = int(getattr(torch.npu.get_device_properties(idx), "vector_core_num", 0))
+            except Exception:
+                n = 0
+            self._core_num[idx] = n if n > 0 else DEFAULT_CORES
+        return self._core_num[idx]
+
+    @staticmethod
+    def _ub_size() -> int:
+        raw = os.environ.get("ROPE_OPS_ASCEND_UB_SIZE")
+        return int(raw) if raw else DEFAULT_UB_SIZE
+
+    def _soc_name(self, t: torch.Tensor) -> str | None:
+        try:
+            return str(torch.npu.get_device_name(self._device_index(t)))
+        except Exception:
+            return None
+
+    def choose_tier(self, args: KernelArgs) -> tuple[str, dict[str, list[str]]]:
+        """(tier, reasons each higher tier was skipped). Metadata only: no data, no sync."""
+        env = self._probe()
+        skipped: dict[str, list[str]] = {}
+        if not self._tier_allowed("kernels"):
+            skipped["kernels"] = ["disabled by ROPE_OPS_ASCEND_TIERS"]
+        elif env.kernel_ops is None:
+            skipped["kernels"] = [env.kernel_status]
+        else:
+            from . import _kernel_call as kc
+
+            views = kc.kernel_views(args)
+            why = kc.kernel_reasons(views, args.inverse, self._ub_size(), self._cores(args.q))
+            if not why:
+                return "kernels", skipped
+            skipped["kernels"] = why
+        if not self._tier_allowed("npu_rotary_mul"):
+            skipped["npu_rotary_mul"] = ["disabled by ROPE_OPS_ASCEND_TIERS"]
+        elif env.rotary_mul is None:
+            skipped["npu_rotary_mul"] = ["torch_npu.npu_rotary_mul unavailable"]
+        else:
+            plan, why = self.rotary_mul_plan(args)
+            if plan is not None:
+                return "npu_rotary_mul", skipped
+            skipped["npu_rotary_mul"] = why
+        return "torch", skipped
+
+    def rotary_mul_plan(self, args: KernelArgs):
+        """(plan, []) when npu_rotary_mul can take the call, else (None, reasons).
+
+        plan = (layout, x_shape, cos_shape, shared): layout "BSND" passes q as [1, B*S, H, r]
+        (tokens merged, so cos is S-only [1, B*S, 1, r] and B = 1); "BNSD" passes a bhsd tensor
+        natively as [B, H, S, r] with cos [1 or B, 1, S, r] where CANN's BNSD rules allow it.
+        """
+        q = bshd_view(args.q, args.layout)
+        b, s, hq, _ = q.shape
+        heads = [hq] + ([args.k.shape[-2]] if args.k is not None else [])
+        r = args.rotary_dim
+        mode = "interleave" if args.interleaved else "half"
+        shared = args.pos is None or (args.pos.dim() == 1 and args.layout != "thd")
+        soc = self._soc_name(args.q)
+        cores = self._cores(args.q)
+        if b * s == 0:
+            return None, ["no tokens"]
+        if args.layout == "bhsd":
+            cos_shape = (1 if shared else b, 1, s, r)
+            why = []
+            for h in heads:
+                why += _limits.rotary_mul_reasons((b, h, s, r), cos_shape, layout="BNSD", mode=mode,
+                                                  dtype="float32", core_num=cores, soc_name=soc)
+            if not why:
+                return ("BNSD", cos_shape, shared), []
+        why = []
+        cos_shape = (1, b * s, 1, r)
+        for h in heads:
+            why += _limits.rotary_mul_reasons((1, b * s, h, r), cos_shape, layout="BSND", mode=mode,
+                                              dtype="float32", core_num=cores, soc_name=soc)
+        if why:
+            return None, why
+        return ("BSND", cos_shape, shared), []
+
+    # ---------------------------------------------------------------- run
+    def run(self, args: KernelArgs) -> None:
+        if args.q.numel() == 0:
+            return
+        tier, skipped = self.choose_tier(args)
+        self.last_tier, self.last_reasons = tier, skipped
+        self.tier_counts[tier] += 1
+        if tier == "kernels":
+            self._run_kernels(args)
+        elif tier == "npu_rotary_mul":
+            self._run_rotary_mul(args)
+        else:
+            self._run_torch(args)
+
+    def _run_kernels(self, args: KernelArgs) -> None:
+        from . import _kernel_call as kc
+
+        v = kc.kernel_views(args)
+        fwd, grad = self._probe().kernel_ops
+        op = grad if args.inverse else fwd
+        op(v.q, v.k, v.q_out, v.k_out, v.pos, v.pos_offset, v.cos, v.sin, v.freq_turns, v.attention_factor,
+           v.rotary_dim, v.interleaved, v.inplace, self._ub_size(), self._cores(args.q))
+
+    def _run_rotary_mul(self, args: KernelArgs) -> None:
+        plan, _ = self.rotary_mul_plan(args)
+        layout, cos_shape, shared = plan
+        rotary_mul = self._probe().rotary_mul
+        q = bshd_view(args.q, args.layout)
+        b, s = q.shape[0], q.shape[1]
+        r = args.rotary_dim
+        positions = positions_bs(args, b, s)
+        if shared and layout == "BNSD":
+            positions = positions[:1]
+        c, sn = cos_sin_rows(args, positions)  # float32 [B or 1, S, r/2]
+        if args.inverse:
+            sn = -sn
+        if args.interleaved:
+            c, sn = c.repeat_interleave(2, dim=-1), sn.repeat_interleave(2, dim=-1)
+            mode = "interleave"
+        else:
+            c, sn = torch.cat((c, c), dim=-1), torch.cat((sn, sn), dim=-1)
+            mode = "half"
+        if layout == "BNSD":
+            c, sn = c.unsqueeze(1), sn.unsqueeze(1)  # [B|1, 1, S, r]
+        else:
+            c, sn = c.reshape(cos_shape), sn.reshape(cos_shape)  # [1, B*S, 1, r]
+        for x, out in ((args.q, args.q_out), (args.k, args.k_out)):
+            if x is None:
+                continue
+            xv, ov = bshd_view(x, args.layout), bshd_view(out, args.layout)
+            h = xv.shape[2]
+            if layout == "BNSD":
+                x4 = x[..., :r].to(torch.float32)  # native [B, H, S, r]
+                y = rotary_mul(x4, c, sn, rotary_mode=mode).transpose(1, 2)
+            else:
+                x4 = xv[..., :r].to(torch.float32).reshape(1, b * s, h, r)
+                y = rotary_mul(x4, c, sn, rotary_mode=mode).view(b, s, h, r)
+            ov[..., :r].copy_(y)  # one rounding to the output dtype
+            if not args.inplace and r < xv.shape[-1]:
+                ov[..., r:].copy_(xv[..., r:])
+
+    def _run_torch(self, args: KernelArgs) -> None:
+        if self._torch_backend is None:
+            from rope_ops_backends.torch_backend import TorchBackend
+
+            self._torch_backend = TorchBackend()
+        self._torch_backend.run(args)
