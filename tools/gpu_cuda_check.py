@@ -1,0 +1,697 @@
+#!/usr/bin/env python
+"""GPU check of the rope_ops CUDA backend: build, accuracy against the float64 reference, and the
+PERF.md workloads timed with CUDA graphs against a same-run device-to-device copy.
+
+Run on a CUDA machine from the repository root (no install needed):
+
+    python tools/gpu_cuda_check.py               # build + accuracy + timing (< 4 minutes)
+    python tools/gpu_cuda_check.py --no-perf     # build + accuracy only
+    python tools/gpu_cuda_check.py --perf-only   # build + timing only
+    python tools/gpu_cuda_check.py --sweep       # also sweep the grid-tuning knobs per workload
+
+Self-contained apart from rope_ops._reference (the float64 reference) and the backend under test:
+it calls CudaBackend().run directly with hand-built KernelArgs. Exit status: 0 when the build
+and every accuracy case pass, 1 otherwise (--strict-perf: also when a perf target is missed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+
+def _import_backend():
+    try:
+        import rope_ops_backends  # noqa: F401
+    except ModuleNotFoundError:  # a checkout that was not pip-installed: backends/ is the package
+        spec = importlib.util.spec_from_file_location(
+            "rope_ops_backends", ROOT / "backends" / "__init__.py",
+            submodule_search_locations=[str(ROOT / "backends")])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["rope_ops_backends"] = mod
+        spec.loader.exec_module(mod)
+    import rope_ops_backends.cuda_backend as cb
+    return cb
+
+
+from rope_ops._reference import rope_reference  # noqa: E402
+from rope_ops.backend import KernelArgs  # noqa: E402
+
+DEV = "cuda"
+HEAD_AXIS = {"bshd": 2, "sbhd": 2, "bhsd": 1, "thd": 1}
+
+
+# ------------------------------------------------------------------------------------------------
+# tables
+
+
+def inv_freq_of(rotary_dim: int, base: float) -> torch.Tensor:
+    i = torch.arange(rotary_dim // 2, dtype=torch.float64)
+    return base ** (-2.0 * i / rotary_dim)
+
+
+def freq_turns_of(inv_freq: torch.Tensor) -> torch.Tensor:
+    vals = []
+    for f in inv_freq.tolist():
+        t = f / (2.0 * math.pi)
+        t -= math.floor(t)
+        v = int(t * 2.0**64) % 2**64
+        vals.append(v - 2**64 if v >= 2**63 else v)
+    return torch.tensor(vals, dtype=torch.int64)
+
+
+def tables(rotary_dim: int, base: float, rows: int, m: float = 1.0):
+    inv = inv_freq_of(rotary_dim, base)
+    ang = torch.arange(rows, dtype=torch.float64).unsqueeze(1) * inv
+    cos = (m * torch.cos(ang)).to(torch.float32).to(DEV).contiguous()
+    sin = (m * torch.sin(ang)).to(torch.float32).to(DEV).contiguous()
+    return inv, cos, sin, freq_turns_of(inv).to(DEV)
+
+
+# ------------------------------------------------------------------------------------------------
+# accuracy
+
+
+def layout_shape(layout, B, S, H, D):
+    return {"bshd": (B, S, H, D), "sbhd": (S, B, H, D), "bhsd": (B, H, S, D),
+            "thd": (B * S, H, D)}[layout]
+
+
+def make_tensor(layout, B, S, H, D, dtype, kind, gen):
+    """(tensor, extra-check-buffer) of the given kind: contig, packed (handled by caller),
+    lastdim (stride 2 on head_dim), misaligned (2-byte offset)."""
+    shape = layout_shape(layout, B, S, H, D)
+    if kind == "lastdim":
+        big = torch.randn(*shape[:-1], 2 * D, generator=gen).to(dtype).to(DEV)
+        return big[..., ::2]
+    if kind == "misaligned":
+        n = math.prod(shape)
+        flat = torch.randn(n + 1, generator=gen).to(dtype).to(DEV)
+        return flat[1:].view(shape)
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEV)
+
+
+def allowed(x64, ref, dtype, r, style, m):
+    half = r // 2
+    idx = torch.arange(half)
+    a, b = (idx, idx + half) if style == "neox" else (2 * idx, 2 * idx + 1)
+    pair = x64[..., a].abs() + x64[..., b].abs()
+    part = 2e-6 * pair.clamp_min(1.0) * max(1.0, m)
+    bound = torch.zeros_like(x64[..., :r])
+    bound[..., a] = part
+    bound[..., b] = part
+    if dtype in (torch.float16, torch.bfloat16):
+        min_exp, mant = (-14, 10) if dtype == torch.float16 else (-126, 7)
+        e = torch.floor(torch.log2(ref[..., :r].abs().clamp_min(1e-300))).clamp_min(min_exp)
+        bound = bound + torch.pow(2.0, e - mant)
+    return bound
+
+
+def compare(name, out, x_in, ref, dtype, r, style, m, nan_ok_rows=False):
+    """Returns a list of problems (empty: pass)."""
+    problems = []
+    o = out.detach().to("cpu", torch.float64)
+    x64 = x_in.detach().to("cpu", torch.float64)
+    D = o.shape[-1]
+    # pass-through dims exact (bitwise)
+    if r < D:
+        ob = out[..., r:].detach().cpu().contiguous()
+        ib = x_in[..., r:].detach().cpu().contiguous()
+        if not torch.equal(ob.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           ib.view(torch.int16 if dtype != torch.float32 else torch.int32)):
+            problems.append(f"{name}: pass-through dims [{r},{D}) changed")
+    ref_r, o_r = ref[..., :r], o[..., :r]
+    ref_nan = torch.isnan(ref_r)
+    out_nan = torch.isnan(o_r)
+    if not torch.equal(ref_nan, out_nan):
+        problems.append(f"{name}: NaN pattern differs (ref NaN {int(ref_nan.sum())}, "
+                        f"out NaN {int(out_nan.sum())})")
+    fin = ~ref_nan & ~out_nan
+    bound = allowed(x64, ref, dtype, r, style, m)
+    err = (o_r - ref_r).abs()
+    bad = fin & ~(err <= bound)
+    if bad.any():
+        idx = tuple(int(v) for v in bad.nonzero()[0])
+        problems.append(f"{name}: {int(bad.sum())} elements out of tolerance; first at {idx}: "
+                        f"out {o_r[idx].item():.8g} ref {ref_r[idx].item():.8g} "
+                        f"bound {bound[idx].item():.3g}; max err/bound "
+                        f"{(err[fin] / bound[fin]).max().item():.3g}")
+    return problems
+
+
+def positions(kind, pdtype, layout, B, S, rows, gen, beyond):
+    """(pos tensor or None, pos_offset, reference pos) for kind in offset | bs | s."""
+    if kind == "offset":
+        off = rows - S // 2 if beyond else 3
+        return None, off, off
+    n = (B * S,) if layout == "thd" else ((B, S) if kind == "bs" else (S,))
+    numel = math.prod(n)
+    p = torch.randint(0, rows, (numel,), generator=gen, dtype=torch.int64)
+    if beyond:  # ~1/3 of the positions outside the table: negative, beyond it, up to +-2^20
+        sel = torch.rand(numel, generator=gen) < 0.35
+        far = torch.randint(-(1 << 20), 1 << 20, (numel,), generator=gen, dtype=torch.int64)
+        p = torch.where(sel, far, p)
+        p[0] = rows  # first row past the end
+        if numel > 1:
+            p[1] = -1
+    p = p.view(n).to(pdtype)
+    return p.to(DEV), 0, p
+
+
+class Runner:
+    def __init__(self, backend, cb):
+        self.backend = backend
+        self.cb = cb
+        self.failures = []
+        self.count = 0
+        self.failed_cases = 0
+        self.paths = {}
+
+    def case(self, name, fn):
+        self.count += 1
+        try:
+            problems = fn()
+        except Exception as e:  # report and go on
+            problems = [f"{name}: raised {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"]
+        if problems:
+            self.failed_cases += 1
+            self.failures.extend(problems)
+            print(f"  FAIL {name}")
+            for p in problems[:4]:
+                print(f"       {p}")
+        return not problems
+
+
+def run_case(rn: Runner, *, dtype, style, layout, D, r, Hq, Hk, B=2, S=37, inplace, inverse,
+             pos_kind="bs", pdtype=torch.int64, beyond=True, caller_tables=False, kind="contig",
+             strided_out=False, m=1.0, base=10000.0, rows=256, expect_path=None, seed=0):
+    name = (f"{str(dtype)[6:]:8s} {style:4s} {layout} D{D} r{r} q{Hq}k{Hk} "
+            f"{'inplace' if inplace else 'outplace'}{' inv' if inverse else ''} pos={pos_kind}"
+            f"{'' if pos_kind == 'offset' else '/' + str(pdtype)[6:]}"
+            f"{' beyond' if beyond else ''}{' caller-tables' if caller_tables else ''}"
+            f" {kind}{' strided-out' if strided_out else ''}{f' m={m}' if m != 1.0 else ''}")
+
+    def go():
+        gen = torch.Generator().manual_seed(seed)
+        inv, cos, sin, ft = tables(r, base, rows, m)
+        v = None
+        if kind == "packed":
+            tot = Hq + 2 * Hk
+            buf = make_tensor(layout, B, S, tot, D, dtype, "contig", gen)
+            ax = HEAD_AXIS[layout]
+            q = buf.narrow(ax, 0, Hq)
+            k = buf.narrow(ax, Hq, Hk) if Hk else None
+            v = buf.narrow(ax, Hq + Hk, Hk).clone() if Hk else None
+            v_view = buf.narrow(ax, Hq + Hk, Hk) if Hk else None
+        else:
+            q = make_tensor(layout, B, S, Hq, D, dtype, kind, gen)
+            k = make_tensor(layout, B, S, Hk, D, dtype, kind, gen) if Hk else None
+        q_in, k_in = q.clone(), (k.clone() if k is not None else None)
+        sentinel = []
+        if inplace:
+            q_out, k_out = q, k
+        elif strided_out:
+            def mk(t):
+                shape = list(t.shape)
+                big = torch.full(shape[:-1] + [shape[-1] + 8], 7.0, dtype=dtype, device=DEV)
+                sentinel.append(big)
+                return big[..., : shape[-1]]
+            q_out = mk(q)
+            k_out = mk(k) if k is not None else None
+        else:
+            q_out = torch.empty_like(q)
+            k_out = torch.empty_like(k) if k is not None else None
+        pos, off, ref_pos = positions(pos_kind, pdtype, layout, B, S, rows, gen, beyond)
+        args = KernelArgs(q=q, k=k, q_out=q_out, k_out=k_out, pos=pos, pos_offset=off,
+                          cos=cos, sin=sin, freq_turns=None if caller_tables else ft,
+                          attention_factor=m, layout=layout, rotary_dim=r,
+                          interleaved=(style == "gptj"), inverse=inverse, inplace=inplace)
+        path = kernel_path(q, k, q_out, k_out, layout, r, style == "gptj", inplace, cos)
+        rn.paths[name] = path
+        rn.backend.run(args)
+        torch.cuda.synchronize()
+        problems = []
+        if expect_path is not None and path != expect_path:
+            problems.append(f"{name}: took kernel path {path}, expected {expect_path}")
+        ref_kw = dict(layout=layout, rotary_dim=r, style=style, inverse=inverse)
+        if caller_tables:
+            ref_kw["cos_sin"] = (cos, sin)
+        else:
+            ref_kw.update(inv_freq=inv, attention_factor=m)
+        rp = ref_pos if pos is None else ref_pos
+        for label, x_in, out in (("q", q_in, q_out), ("k", k_in, k_out)):
+            if x_in is None:
+                continue
+            ref = rope_reference(x_in, rp, **ref_kw)
+            problems += compare(f"{name} [{label}]", out, x_in, ref, dtype, r, style, m)
+        if not inplace:
+            if not torch.equal(q, q_in) or (k is not None and not torch.equal(k, k_in)):
+                problems.append(f"{name}: out-of-place call modified its inputs")
+        if v is not None and not torch.equal(v_view, v):
+            problems.append(f"{name}: the V part of the packed QKV buffer changed")
+        for big in sentinel:
+            if not bool((big[..., -8:] == 7.0).all()):
+                problems.append(f"{name}: wrote outside the strided output view")
+        return problems
+
+    ok = rn.case(name, go)
+    if ok:
+        print(f"  ok   {name}  [path {rn.paths.get(name)}]")
+
+
+LAYOUT_CODE = {"bshd": 0, "sbhd": 1, "bhsd": 2, "thd": 3}
+
+
+def kernel_path(q, k, q_out, k_out, layout, r, interleaved, inplace, cos):
+    """1: vectorized fast kernel, 2: generic kernel, 0: nothing to launch."""
+    return int(torch.ops.rope_ops_cuda.pick_path(q, k, q_out, k_out, LAYOUT_CODE[layout], r,
+                                                 interleaved, inplace, cos))
+
+
+def accuracy(rn: Runner):
+    print("\n== accuracy against rope_ops._reference (float64)")
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    for dtype in dtypes:
+        for style in ("neox", "gptj"):
+            for layout in ("bshd", "sbhd", "bhsd", "thd"):
+                pk = "bs" if layout == "thd" else "s"
+                # full rotary, GQA, beyond-table int64 positions, out of place: fast path
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=128, Hq=4, Hk=2,
+                         inplace=False, inverse=False, pos_kind="bs", expect_path=1)
+                # partial rotary, in place, int32 positions shared by the batch ([S]) or [T]
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=64, Hq=3, Hk=1,
+                         inplace=True, inverse=False, pos_kind=pk, pdtype=torch.int32,
+                         expect_path=1)
+                # head_dim 64, MQA, offset positions running past the table, backward
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=64, r=64, Hq=5, Hk=1,
+                         inplace=False, inverse=True, pos_kind="offset", expect_path=1)
+                # packed QKV views, in place, partial rotary 96, backward
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=96, Hq=4, Hk=2,
+                         inplace=True, inverse=True, kind="packed", expect_path=1)
+                # packed QKV, out of place into strided outputs, attention factor
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=32, Hq=2, Hk=2,
+                         inplace=False, inverse=False, kind="packed", strided_out=True, m=0.75,
+                         expect_path=1)
+                # GPT-J-like: head_dim 256, rotary 64, both in and out of place
+                for ip in (True, False):
+                    run_case(rn, dtype=dtype, style=style, layout=layout, D=256, r=64, Hq=2,
+                             Hk=2, inplace=ip, inverse=False, expect_path=1)
+                # generic path: odd number of pairs per half, no k
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=80, r=34, Hq=3, Hk=0,
+                         inplace=False, inverse=False, expect_path=2)
+                # generic path: stride 2 on head_dim, in place
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=64, r=48, Hq=2, Hk=2,
+                         inplace=True, inverse=True, kind="lastdim", expect_path=2)
+                # generic path: misaligned base pointer
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=128, Hq=2, Hk=1,
+                         inplace=False, inverse=False, kind="misaligned", expect_path=2)
+                # caller tables: out-of-table positions must give NaN rows
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=128, Hq=2, Hk=2,
+                         inplace=False, inverse=False, caller_tables=True, expect_path=1)
+    # small odd shapes: decode-like single token, one head, tiny head_dim
+    run_case(rn, dtype=torch.bfloat16, style="neox", layout="thd", D=128, r=128, Hq=32, Hk=8,
+             B=1, S=1, inplace=True, inverse=False, expect_path=1)
+    run_case(rn, dtype=torch.float32, style="neox", layout="bshd", D=2, r=2, Hq=1, Hk=1,
+             inplace=False, inverse=False, expect_path=2)
+    run_case(rn, dtype=torch.float16, style="gptj", layout="bshd", D=8, r=8, Hq=1, Hk=0,
+             inplace=True, inverse=False, expect_path=1)
+    # positions from a big table, long sequences (many tokens per block boundary)
+    run_case(rn, dtype=torch.bfloat16, style="neox", layout="bshd", D=128, r=128, Hq=8, Hk=2,
+             B=3, S=700, inplace=False, inverse=False, rows=131072, base=500000.0, expect_path=1)
+    garbage_positions(rn)
+    zero_tokens(rn)
+    large_tensor(rn)
+
+
+def garbage_positions(rn: Runner):
+    """Huge / negative / extreme int64 positions: no fault, finite, norm-preserving rows."""
+    name = "garbage int64 positions (+-2^40, +-2^62, int64 min/max), bf16 + fp32"
+
+    def go():
+        problems = []
+        for dtype in (torch.float32, torch.bfloat16):
+            gen = torch.Generator().manual_seed(5)
+            inv, cos, sin, ft = tables(128, 500000.0, 64)
+            vals = [2**40, -(2**40), 2**62, -(2**62), 2**63 - 1, -(2**63), 10**18, -7]
+            pos = torch.tensor(vals, dtype=torch.int64, device=DEV)
+            q = torch.randn(len(vals), 4, 128, generator=gen).to(dtype).to(DEV)
+            out = torch.empty_like(q)
+            for tables_given in (False, True):
+                rn.backend.run(KernelArgs(q=q, k=None, q_out=out, k_out=None, pos=pos,
+                                          pos_offset=0, cos=cos, sin=sin,
+                                          freq_turns=None if tables_given else ft,
+                                          attention_factor=1.0, layout="thd", rotary_dim=128,
+                                          interleaved=False, inverse=False, inplace=False))
+                torch.cuda.synchronize()
+                o = out.float().cpu()
+                if tables_given:
+                    if not torch.isnan(o).all():
+                        problems.append(f"{name}: caller tables, out-of-table rows not all NaN")
+                    continue
+                if not torch.isfinite(o).all():
+                    problems.append(f"{name}: non-finite output")
+                    continue
+                x = q.float().cpu()
+                nx = x[..., :64] ** 2 + x[..., 64:] ** 2
+                no = o[..., :64] ** 2 + o[..., 64:] ** 2
+                if not torch.allclose(nx, no, rtol=2e-2, atol=1e-3):
+                    problems.append(f"{name}: rotation does not preserve pair norms ({dtype})")
+        return problems
+
+    if rn.case(name, go):
+        print(f"  ok   {name}")
+
+
+def zero_tokens(rn: Runner):
+    name = "zero tokens (bshd S=0, thd T=0)"
+
+    def go():
+        inv, cos, sin, ft = tables(64, 10000.0, 16)
+        for shape, layout in (((2, 0, 4, 64), "bshd"), ((0, 4, 64), "thd")):
+            q = torch.empty(shape, dtype=torch.bfloat16, device=DEV)
+            rn.backend.run(KernelArgs(q=q, k=q, q_out=torch.empty_like(q), k_out=torch.empty_like(q),
+                                      pos=None, pos_offset=0, cos=cos, sin=sin, freq_turns=ft,
+                                      attention_factor=1.0, layout=layout, rotary_dim=64,
+                                      interleaved=False, inverse=False, inplace=False))
+        torch.cuda.synchronize()
+        return []
+
+    if rn.case(name, go):
+        print(f"  ok   {name}")
+
+
+def large_tensor(rn: Runner):
+    """> 2^31 elements in place (64-bit indexing): check the last tokens against the reference."""
+    name = "large tensor: bf16 thd [2^21+5, 8, 128] (2.1e9 elements) in place, last tokens"
+
+    def go():
+        T = (1 << 21) + 5
+        free, _ = torch.cuda.mem_get_info()
+        if free < T * 8 * 128 * 2 * 1.3:
+            print(f"  skip {name}: {free / 2**30:.1f} GiB free")
+            return []
+        inv, cos, sin, ft = tables(128, 500000.0, 4096)
+        q = torch.empty(T, 8, 128, dtype=torch.bfloat16, device=DEV)
+        tail = 7
+        gen = torch.Generator().manual_seed(9)
+        q[-tail:] = torch.randn(tail, 8, 128, generator=gen).to(torch.bfloat16).to(DEV)
+        q[:-tail].zero_()
+        x = q[-tail:].clone()
+        rn.backend.run(KernelArgs(q=q, k=None, q_out=q, k_out=None, pos=None, pos_offset=0,
+                                  cos=cos, sin=sin, freq_turns=ft, attention_factor=1.0,
+                                  layout="thd", rotary_dim=128, interleaved=False, inverse=False,
+                                  inplace=True))
+        torch.cuda.synchronize()
+        ref = rope_reference(x, T - tail, layout="thd", rotary_dim=128, style="neox",
+                             inv_freq=inv)
+        out = q[-tail:].clone()
+        del q
+        torch.cuda.empty_cache()
+        return compare(name, out, x, ref, torch.bfloat16, 128, "neox", 1.0)
+
+    if rn.case(name, go):
+        print(f"  ok   {name}")
+
+
+# ------------------------------------------------------------------------------------------------
+# performance
+
+
+def graph_time_us(calls, reps, trials=7):
+    """Median GPU time per call (us): `reps` calls (rotating through `calls`) in one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in calls:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            calls[i % len(calls)]()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    del g
+    return statistics.median(times)
+
+
+def copy_bandwidth():
+    """Bytes read + written per second of a 2 GiB device-to-device copy."""
+    n = 2 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=DEV)
+    b = torch.empty(n, dtype=torch.uint8, device=DEV)
+    a.fill_(1)
+    for _ in range(2):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(5):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e-3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n / statistics.median(ts)
+
+
+def l2_bytes():
+    props = torch.cuda.get_device_properties(0)
+    return int(getattr(props, "L2_cache_size", 0) or 50 << 20)
+
+
+def workloads():
+    """name, dict(spec). Sizes from /work/shared/PERF.md."""
+    return [
+        ("W1 prefill 8B", dict(layout="bshd", B=4, S=4096, Hq=32, Hk=8, D=128, r=128,
+                                style="neox", base=500000.0, pos="arange_bs", inplace=False,
+                                bwd=False, target=("pct", 95.0))),
+        ("W2 decode", dict(layout="thd", B=1, S=256, Hq=32, Hk=8, D=128, r=128, style="neox",
+                           base=500000.0, pos="random", inplace=False, bwd=False,
+                           target=("us", 3.2))),
+        ("W3 GPT-J in place", dict(layout="bshd", B=2, S=4096, Hq=16, Hk=16, D=256, r=64,
+                                   style="gptj", base=10000.0, pos="arange_bs", inplace=True,
+                                   bwd=False, target=("us", 18.0))),
+        ("W3 GPT-J out of place", dict(layout="bshd", B=2, S=4096, Hq=16, Hk=16, D=256, r=64,
+                                       style="gptj", base=10000.0, pos="arange_bs",
+                                       inplace=False, bwd=False, target=("pct", 93.0))),
+        ("W4 train fwd+bwd", dict(layout="bshd", B=2, S=4096, Hq=32, Hk=32, D=128, r=128,
+                                  style="neox", base=500000.0, pos="arange_bs", inplace=False,
+                                  bwd=True, target=("pct", 95.0))),
+        ("W5 prefill 70B", dict(layout="bshd", B=8, S=4096, Hq=64, Hk=8, D=128, r=128,
+                                style="neox", base=500000.0, pos="arange_bs", inplace=False,
+                                bwd=False, target=("pct", 97.0))),
+    ]
+
+
+def floor_bytes(w):
+    tokens = w["B"] * w["S"]
+    heads = w["Hq"] + w["Hk"]
+    width = w["r"] if w["inplace"] else w["D"]
+    data = tokens * heads * width * 2 * 2  # bf16, read + write
+    distinct_pos = 256 if w["pos"] == "random" else w["S"]
+    table = distinct_pos * (w["r"] // 2) * 4 * 2
+    pos_bytes = tokens * 8
+    per_call = data + table + pos_bytes
+    return per_call * (2 if w["bwd"] else 1)
+
+
+def build_sets(w, cos, sin, ft, nsets, gen):
+    sets = []
+    shape = lambda H: layout_shape(w["layout"], w["B"], w["S"], H, w["D"])  # noqa: E731
+    for _ in range(nsets):
+        q = torch.randn(shape(w["Hq"]), device=DEV, dtype=torch.bfloat16)
+        k = torch.randn(shape(w["Hk"]), device=DEV, dtype=torch.bfloat16)
+        if w["pos"] == "random":
+            pos = torch.randint(0, 32768, (w["B"] * w["S"],), device=DEV, dtype=torch.int64)
+        else:
+            pos = torch.arange(w["S"], device=DEV, dtype=torch.int64).expand(w["B"], w["S"])
+            pos = pos.contiguous()
+            if w["layout"] == "thd":
+                pos = pos.reshape(-1)
+        if w["inplace"]:
+            qo, ko = q, k
+        else:
+            qo, ko = torch.empty_like(q), torch.empty_like(k)
+        mk = lambda a, b, c, d, inv: KernelArgs(  # noqa: E731
+            q=a, k=b, q_out=c, k_out=d, pos=pos, pos_offset=0, cos=cos, sin=sin, freq_turns=ft,
+            attention_factor=1.0, layout=w["layout"], rotary_dim=w["r"],
+            interleaved=w["style"] == "gptj", inverse=inv, inplace=w["inplace"])
+        fwd = mk(q, k, qo, ko, False)
+        # backward: gradients of the outputs (here the outputs themselves) rotated back
+        bwd = mk(qo, ko, torch.empty_like(q), torch.empty_like(k), True) if w["bwd"] else None
+        sets.append((fwd, bwd))
+    return sets
+
+
+def perf(rn: Runner, sweep: bool, strict: bool):
+    print("\n== timing (CUDA graphs, rotating input sets, bf16, table of 131072 rows)")
+    cb = rn.cb
+    bw = copy_bandwidth()
+    print(f"same-run 2 GiB device-to-device copy: {bw / 1e9:.0f} GB/s (read + written)")
+    l2 = l2_bytes()
+    misses = []
+    rows_out = []
+    for name, w in workloads():
+        try:
+            inv, cos, sin, ft = tables(w["r"], w["base"], 131072)
+            per_set = floor_bytes(w)
+            nsets = max(2, min(64, math.ceil(4 * l2 / per_set)))
+            sets = build_sets(w, cos, sin, ft, nsets, None)
+            run = rn.backend.run
+            calls = []
+            for fwd, bwd in sets:
+                if bwd is None:
+                    calls.append(lambda f=fwd: run(f))
+                else:
+                    calls.append(lambda f=fwd, b=bwd: (run(f), run(b)))
+            reps = max(len(calls), min(400, int(2e4 / max(1.0, per_set / bw * 1e6)) + 1))
+            reps = max(reps, 20)
+            t = graph_time_us(calls, reps)
+            # same-bytes copy: half the floor read, half written, same rotation
+            nbytes = per_set // 2
+            bufs = [(torch.empty(nbytes, dtype=torch.uint8, device=DEV),
+                     torch.empty(nbytes, dtype=torch.uint8, device=DEV)) for _ in range(nsets)]
+            copies = [lambda a=a, b=b: b.copy_(a) for a, b in bufs]
+            tc = graph_time_us(copies, reps)
+            del bufs
+            pct = per_set / (t * 1e-6) / bw * 100
+            pct_copy = per_set / (tc * 1e-6) / bw * 100
+            kind, goal = w["target"]
+            met = (pct >= goal) if kind == "pct" else (t <= goal)
+            tgt = f">={goal:.0f}%" if kind == "pct" else f"<={goal}us"
+            rows_out.append((name, t, tc, pct, pct_copy, per_set, tgt, met, nsets))
+            if not met:
+                misses.append(f"{name}: {t:.2f} us ({pct:.1f} %), target {tgt}")
+            best = None
+            if sweep:
+                best = tuning_sweep(cb, calls, reps, t)
+            del sets, calls
+            torch.cuda.empty_cache()
+            if best:
+                print(f"   {name}: sweep best {best}")
+        except Exception as e:
+            misses.append(f"{name}: raised {type(e).__name__}: {e}")
+            print(f"  FAIL {name}: {type(e).__name__}: {e}")
+            traceback.print_exc(limit=3)
+    print(f"\n{'workload':24s} {'kernel us':>10s} {'copy us':>9s} {'% of copy BW':>13s} "
+          f"{'copy %':>7s} {'floor MB':>9s} {'target':>9s} {'sets':>5s}")
+    for name, t, tc, pct, pctc, nb, tgt, met, ns in rows_out:
+        print(f"{name:24s} {t:10.2f} {tc:9.2f} {pct:12.1f}% {pctc:6.1f}% {nb / 1e6:9.1f} "
+              f"{tgt:>9s} {ns:5d}  {'ok' if met else 'MISS'}")
+    host_time(rn)
+    if misses:
+        print("perf targets missed:\n  " + "\n  ".join(misses))
+    return misses if strict else []
+
+
+def tuning_sweep(cb, calls, reps, baseline):
+    results = []
+    for mh in (1, 2, 4, 8, 16):
+        for mt in (2048, 4096, 8192):
+            cb.set_tuning(mh, mt)
+            results.append((graph_time_us(calls, reps, trials=3), mh, mt))
+    cb.set_tuning(8, 4096)  # defaults
+    results.sort()
+    t, mh, mt = results[0]
+    return f"{t:.2f} us at max_heads_per_thread={mh}, min_threads_per_sm={mt} (default {baseline:.2f} us)"
+
+
+def host_time(rn: Runner):
+    """Wall time per eager CudaBackend.run call on W2 shapes (host-bound loop)."""
+    inv, cos, sin, ft = tables(128, 500000.0, 131072)
+    q = torch.randn(256, 32, 128, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(256, 8, 128, device=DEV, dtype=torch.bfloat16)
+    pos = torch.randint(0, 32768, (256,), device=DEV)
+    args = KernelArgs(q=q, k=k, q_out=torch.empty_like(q), k_out=torch.empty_like(k), pos=pos,
+                      pos_offset=0, cos=cos, sin=sin, freq_turns=ft, attention_factor=1.0,
+                      layout="thd", rotary_dim=128, interleaved=False, inverse=False,
+                      inplace=False)
+    run = rn.backend.run
+    op = torch.ops.rope_ops_cuda.rope.default
+    for _ in range(200):
+        run(args)
+    torch.cuda.synchronize()
+    n = 3000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        run(args)
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    for _ in range(n):
+        op(q, k, args.q_out, args.k_out, pos, 0, cos, sin, ft, 1.0, 3, 128, False, False, False)
+    t3 = time.perf_counter()
+    torch.cuda.synchronize()
+    print(f"host time per eager call, W2 shapes: CudaBackend.run {(t1 - t0) / n * 1e6:.2f} us, "
+          f"raw torch.ops.rope_ops_cuda.rope {(t3 - t2) / n * 1e6:.2f} us "
+          f"(target for rope_ops.apply: <= 15 us)")
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-perf", action="store_true")
+    ap.add_argument("--perf-only", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="sweep the grid-tuning knobs")
+    ap.add_argument("--strict-perf", action="store_true", help="exit 1 on a missed perf target")
+    a = ap.parse_args()
+    t_start = time.time()
+    if not torch.cuda.is_available():
+        print("no CUDA device: this script needs a GPU")
+        return 1
+    print(f"torch {torch.__version__} CUDA {torch.version.cuda}, "
+          f"{torch.cuda.get_device_name(0)}, capability {torch.cuda.get_device_capability(0)}")
+    cb = _import_backend()
+    backend = cb.CudaBackend()
+    t0 = time.time()
+    reasons = backend.availability()
+    if reasons:
+        print("CUDA backend unavailable:\n  " + "\n  ".join(reasons))
+        return 1
+    print(f"extension ready in {time.time() - t0:.1f} s ({cb.build_dir(cb.visible_archs())})")
+    rn = Runner(backend, cb)
+    if not a.perf_only:
+        accuracy(rn)
+        print(f"\naccuracy: {rn.count - rn.failed_cases}/{rn.count} cases passed, "
+              f"{len(rn.failures)} problems")
+        paths = list(rn.paths.values())
+        print(f"kernel paths taken: fast {paths.count(1)}, generic {paths.count(2)}")
+    perf_fail = []
+    if not a.no_perf:
+        perf_fail = perf(rn, a.sweep, a.strict_perf)
+    print(f"\ntotal {time.time() - t_start:.0f} s")
+    if rn.failures or perf_fail:
+        print(f"FAILED: {len(rn.failures)} accuracy problems, {len(perf_fail)} perf misses")
+        return 1
+    print("PASSED")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
