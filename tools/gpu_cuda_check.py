@@ -330,6 +330,27 @@ def accuracy(rn: Runner):
     # positions from a big table, long sequences (many tokens per block boundary)
     run_case(rn, dtype=torch.bfloat16, style="neox", layout="bshd", D=128, r=128, Hq=8, Hk=2,
              B=3, S=700, inplace=False, inverse=False, rows=131072, base=500000.0, expect_path=1)
+    # The cases above are small, so each thread gets one head (the decode kernel). Force the
+    # several-heads-per-thread kernel (prefill) on the same shapes, with even and uneven splits.
+    for max_heads in (8, 3):
+        rn.cb.set_tuning(max_heads, 1)
+        print(f"  -- with set_tuning(max_heads_per_thread={max_heads}, min_threads_per_sm=1)")
+        try:
+            for dtype in dtypes:
+                for style in ("neox", "gptj"):
+                    run_case(rn, dtype=dtype, style=style, layout="bshd", D=128, r=128, Hq=7,
+                             Hk=3, inplace=False, inverse=False, expect_path=1, seed=1)
+                    run_case(rn, dtype=dtype, style=style, layout="sbhd", D=128, r=64, Hq=5,
+                             Hk=2, inplace=True, inverse=True, kind="packed", pos_kind="s",
+                             pdtype=torch.int32, expect_path=1, seed=2)
+                    run_case(rn, dtype=dtype, style=style, layout="thd", D=256, r=64, Hq=6,
+                             Hk=6, inplace=False, inverse=False, caller_tables=True,
+                             expect_path=1, seed=3)
+                    run_case(rn, dtype=dtype, style=style, layout="bhsd", D=256, r=64, Hq=4,
+                             Hk=0, inplace=True, inverse=False, pos_kind="offset",
+                             expect_path=1, seed=4)
+        finally:
+            rn.cb.set_tuning(8, 4096)  # the defaults
     garbage_positions(rn)
     zero_tokens(rn)
     large_tensor(rn)
@@ -610,7 +631,7 @@ def perf(rn: Runner, sweep: bool, strict: bool):
 
 def tuning_sweep(cb, calls, reps, baseline):
     results = []
-    for mh in (1, 2, 4, 8, 16):
+    for mh in (1, 2, 4, 8, 16, 64):
         for mt in (2048, 4096, 8192):
             cb.set_tuning(mh, mt)
             results.append((graph_time_us(calls, reps, trials=3), mh, mt))
