@@ -19,7 +19,7 @@ try:  # accurate sin/cos on the GPU (tl.sin/tl.cos may lower to the approximate 
 except ImportError:  # pragma: no cover - very old triton
     libdevice = None
 
-TWO_PI_OVER_2_32 = 6.283185307179586 / 4294967296.0
+TWO_PI_OVER_2_32 = tl.constexpr(6.283185307179586 / 4294967296.0)
 
 
 @triton.jit
@@ -37,24 +37,25 @@ def _chunk_offsets(row_off, h, s_h, d, s_d, D_CONTIG: tl.constexpr):
 def _load_chunk(ptr, row_off, tmask, h0, n_heads, s_h, s_d,
                 BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
                 INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr):
-    """The rotary pairs (x, y) of heads [h0, h0 + BLOCK_H) as float32 [BT, BH, HALF_P] each."""
+    """The rotary pairs (x, y) of heads [h0, h0 + BLOCK_H), [BT, BH, HALF_P] each, in the input
+    dtype (converted to float32 when rotated, so a prefetched chunk holds half the registers)."""
     h = h0 + tl.arange(0, BLOCK_H)
     hmask = h < n_heads
     if INTERLEAVED:
         d = tl.arange(0, 2 * HALF_P)
         m = tmask[:, None, None] & hmask[None, :, None] & (d < 2 * HALF)[None, None, :]
         xy = tl.load(ptr + _chunk_offsets(row_off, h, s_h, d, s_d, D_CONTIG), mask=m, other=0.0)
-        xy = tl.reshape(xy.to(tl.float32), [BLOCK_T, BLOCK_H, HALF_P, 2])
+        xy = tl.reshape(xy, [BLOCK_T, BLOCK_H, HALF_P, 2])
         x, y = tl.split(xy)
     else:
         i = tl.arange(0, HALF_P)
         m = tmask[:, None, None] & hmask[None, :, None] & (i < HALF)[None, None, :]
         off = _chunk_offsets(row_off, h, s_h, i, s_d, D_CONTIG)
-        x = tl.load(ptr + off, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(ptr + off, mask=m, other=0.0)
         if D_CONTIG:
-            y = tl.load(ptr + off + HALF, mask=m, other=0.0).to(tl.float32)
+            y = tl.load(ptr + off + HALF, mask=m, other=0.0)
         else:
-            y = tl.load(ptr + off + HALF * s_d, mask=m, other=0.0).to(tl.float32)
+            y = tl.load(ptr + off + HALF * s_d, mask=m, other=0.0)
     return x, y
 
 
@@ -65,6 +66,8 @@ def _rotate_store(x, y, c, s, out_ptr, row_off, tmask, h0, n_heads, s_h, s_d,
     """Rotate the pairs by (c, s) [BT, HALF_P] in float32 and store them rounded once."""
     c3 = c[:, None, :]
     s3 = s[:, None, :]
+    x = x.to(tl.float32)
+    y = y.to(tl.float32)
     xo = x * c3 - y * s3
     yo = y * c3 + x * s3
     h = h0 + tl.arange(0, BLOCK_H)
