@@ -136,12 +136,17 @@ class TritonBackend(Backend):
         q, k, qo, ko, pos = args.q, args.k, args.q_out, args.k_out, args.pos
         # Everything a plan derives from, flat (cheap to hash). pos shapes follow from q's
         # (validated by the core), so pos strides and dtype suffice.
+        # The 16-byte alignment of every pointer is part of triton's specialization, so of the key.
+        align = q.data_ptr() | qo.data_ptr() | args.cos.data_ptr() | args.sin.data_ptr()
         if k is None:
             kkey = None
-            align = q.data_ptr() | qo.data_ptr()
         else:
             kkey = k.shape
-            align = q.data_ptr() | qo.data_ptr() | k.data_ptr() | ko.data_ptr()
+            align |= k.data_ptr() | ko.data_ptr()
+        if pos is not None:
+            align |= pos.data_ptr()
+        if args.freq_turns is not None:
+            align |= args.freq_turns.data_ptr()
         key = (
             args.layout, q.shape, q.stride(), None if qo is q else qo.stride(),
             kkey, None if k is None else k.stride(), None if ko is k else ko.stride(),
