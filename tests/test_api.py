@@ -1,0 +1,153 @@
+"""Public API beyond the conformance suite: helpers, caching, CLI, the op registration."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rope_ops
+from rope_ops import RopeError
+from rope_ops._reference import rope_reference
+
+
+def test_positions_from_seqlens_and_cu_seqlens():
+    expected = torch.tensor([0, 1, 2, 0, 0, 1, 2, 3])
+    assert torch.equal(rope_ops.positions_from_seqlens([3, 1, 4]), expected)
+    cu = torch.tensor([0, 3, 4, 8], dtype=torch.int32)
+    assert torch.equal(rope_ops.positions_from_seqlens(cu_seqlens=cu), expected)
+    with_start = rope_ops.positions_from_seqlens([3, 1, 4], start=[10, 0, 100], dtype=torch.int32)
+    assert with_start.dtype == torch.int32
+    assert with_start.tolist() == [10, 11, 12, 0, 100, 101, 102, 103]
+    assert rope_ops.positions_from_seqlens([0, 2]).tolist() == [0, 1]
+    with pytest.raises(RopeError):
+        rope_ops.positions_from_seqlens([3], cu_seqlens=[0, 3])
+    with pytest.raises(RopeError):
+        rope_ops.positions_from_seqlens([3, 1], start=[1])
+
+
+def test_varlen_packed_batch_matches_padded_batch():
+    """Two sequences packed as thd rotate exactly as each one alone with an offset."""
+    lengths, start = [5, 3], [0, 7]
+    q = torch.randn(8, 4, 64)
+    pos = rope_ops.positions_from_seqlens(lengths, start=start)
+    packed, _ = rope_ops.apply(q, None, pos)
+    first, _ = rope_ops.apply(q[None, :5], None, 0)
+    second, _ = rope_ops.apply(q[None, 5:], None, 7)
+    torch.testing.assert_close(packed, torch.cat([first[0], second[0]]), rtol=0, atol=0)
+
+
+def test_seq_len_of():
+    assert rope_ops.seq_len_of(torch.tensor([[3, 9], [1, 2]])) == 10
+    with pytest.raises(RopeError):
+        rope_ops.seq_len_of(5)
+
+
+def test_apply_reuses_cached_rotary_embedding():
+    from rope_ops import embedding
+
+    q = torch.randn(1, 3, 2, 48)
+    rope_ops.apply(q, None, 0, base=1234.0)
+    n = len(embedding._ROPE_CACHE)
+    for _ in range(3):
+        rope_ops.apply(q, None, 5, base=1234.0)
+    assert len(embedding._ROPE_CACHE) == n
+
+
+def test_rotary_embedding_call_and_conflicts():
+    rope = rope_ops.RotaryEmbedding(32, rotary_dim=16, base=500.0, max_position=10, style="gptj")
+    q = torch.randn(2, 4, 3, 32, dtype=torch.float64)
+    out, _ = rope(q, None, torch.tensor([0, 1, 50, 3]))
+    ref = rope_reference(q, torch.tensor([0, 1, 50, 3]), layout="bshd", rotary_dim=16, style="gptj",
+                         inv_freq=rope.inv_freq)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    with pytest.raises(RopeError, match="rope="):
+        rope_ops.apply(q, None, 0, rope=rope, base=10.0)
+    with pytest.raises(RopeError, match="head_dim"):
+        rope_ops.apply(q[..., :16], None, 0, rope=rope)
+    assert "gptj" in repr(rope)
+
+
+def test_attention_factor_scales_q_and_k():
+    scaling = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64}
+    rope = rope_ops.RotaryEmbedding(64, scaling=scaling, max_position=1024)
+    assert rope.attention_factor > 1.2
+    q = torch.randn(1, 1, 1, 64, dtype=torch.float64)
+    out, kout = rope_ops.apply(q, q.clone(), 0, rope=rope)
+    # At position 0 the rotation is the identity, so the output is m * x.
+    torch.testing.assert_close(out, q * rope.attention_factor)
+    torch.testing.assert_close(kout, q * rope.attention_factor)
+
+
+def test_inplace_on_leaf_requiring_grad_is_refused():
+    q = torch.randn(1, 2, 2, 8, requires_grad=True)
+    with pytest.raises(RopeError, match="leaf"):
+        rope_ops.apply(q, None, 0, inplace=True)
+
+
+def test_inplace_disjoint_views_of_one_tensor_are_allowed():
+    qkv = torch.randn(6, 4 + 2 + 2, 32)
+    q, k = qkv[:, :4], qkv[:, 4:6]
+    v_before = qkv[:, 6:].clone()
+    rope_ops.apply(q, k, torch.arange(6), inplace=True)
+    assert torch.equal(qkv[:, 6:], v_before)
+    with pytest.raises(RopeError, match="overlap"):
+        rope_ops.apply(qkv[:, :4], qkv[:, 3:5], torch.arange(6), inplace=True)
+    expanded = torch.randn(1, 1, 4, 32).expand(2, 3, 4, 32)
+    with pytest.raises(RopeError, match="overlap"):
+        rope_ops.apply(expanded, None, 0, inplace=True)
+
+
+def test_op_registration_passes_opcheck():
+    q, k = torch.randn(2, 5, 4, 16), torch.randn(2, 5, 2, 16)
+    pos = torch.randint(0, 40, (2, 5))
+    rope = rope_ops.RotaryEmbedding(16, max_position=32)
+    cos, sin, _ = rope.tables(torch.device("cpu"))
+    torch.library.opcheck(torch.ops.rope_ops.rope.default,
+                          (q, k, pos, 0, None, None, rope.key, "bshd", 16, False, False, "torch"))
+    torch.library.opcheck(torch.ops.rope_ops.rope.default,
+                          (q, None, None, 3, cos, sin, "", "bshd", 16, True, True, "torch"))
+    torch.library.opcheck(torch.ops.rope_ops.rope_.default,
+                          (q.clone(), k.clone(), pos, 0, None, None, rope.key, "bshd", 16, False, "torch"))
+
+
+def test_info_cli_reports_every_backend():
+    out = subprocess.run([sys.executable, "-m", "rope_ops", "info", "--json"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    for name in ("torch", "triton", "cuda", "ascend"):
+        assert name in report["backends"]
+    assert report["backends"]["torch"]["available"]
+    for name in ("cuda", "ascend"):
+        entry = report["backends"][name]
+        if not entry["available"]:
+            assert entry["reasons"], f"{name} unavailable without a reason"
+    assert report["auto_selection"]["cpu"]["auto"] == "torch"
+    text = subprocess.run([sys.executable, "-m", "rope_ops", "info"], capture_output=True, text=True,
+                          timeout=120).stdout
+    assert "automatic selection" in text and "torch" in text
+
+
+def test_env_var_selection_end_to_end():
+    code = ("import torch, rope_ops; q = torch.randn(1, 2, 2, 8); "
+            "print(rope_ops.select_backend(q, None, 0))")
+    for value, expected in (("torch", "torch"), ("auto", "torch")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**__import__("os").environ, "ROPE_OPS_BACKEND": value})
+        assert out.stdout.strip() == expected, out.stderr
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "ROPE_OPS_BACKEND": "no-such-backend"})
+    assert out.returncode != 0 and "unknown backend" in out.stderr
+
+
+def test_bench_runs_on_cpu(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "rope_ops", "bench", "--scale", "512", "--workloads", "W1,W4",
+                          "--providers", "torch,hf-eager", "--json", str(tmp_path / "r.json"),
+                          "--png", str(tmp_path / "r.png")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    results = json.loads((tmp_path / "r.json").read_text())
+    ours = [r for r in results["rows"] if r["provider"] == "rope_ops:torch"]
+    assert len(ours) == 2 and all(r["check"] == "ok" for r in ours)
+    assert (tmp_path / "r.png").stat().st_size > 1000
