@@ -11,6 +11,11 @@
 #include <stdint.h>
 #include <string.h>
 
+// Every per-thread function is __host__ __device__: the kernels are thin loops around them, and
+// `-DROPE_HOST_EMULATION` adds rope_host_emulate(), which runs the very same per-thread code on
+// the CPU over host pointers (tests/test_cuda_host_emulation.py uses it where no GPU exists).
+#define ROPE_HD __host__ __device__ __forceinline__
+
 namespace rope_ops_cuda {
 namespace {
 
@@ -27,13 +32,23 @@ int g_min_threads_per_sm = 4096;  // aim for at least this many threads per SM (
 // ------------------------------------------------------------------------------------------------
 // dtype helpers
 
+// Read-only (non-coherent) load on the device, plain load on the host.
+template <typename T>
+ROPE_HD T ldg_ro(const T* ptr) {
+#ifdef __CUDA_ARCH__
+  return ldg_ro(ptr);
+#else
+  return *ptr;
+#endif
+}
+
 template <typename T>
 struct VecInfo {
   static constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
 };
 
 template <typename To, typename From>
-__device__ __forceinline__ To bit_cast_dev(const From& f) {
+ROPE_HD To bit_cast_hd(const From& f) {
   static_assert(sizeof(To) == sizeof(From), "size");
   To t;
   memcpy(&t, &f, sizeof(To));
@@ -41,88 +56,88 @@ __device__ __forceinline__ To bit_cast_dev(const From& f) {
 }
 
 template <typename T>
-__device__ __forceinline__ void unpack16(const uint4& v, float* f);
+ROPE_HD void unpack16(const uint4& v, float* f);
 
 template <>
-__device__ __forceinline__ void unpack16<float>(const uint4& v, float* f) {
-  f[0] = __uint_as_float(v.x);
-  f[1] = __uint_as_float(v.y);
-  f[2] = __uint_as_float(v.z);
-  f[3] = __uint_as_float(v.w);
+ROPE_HD void unpack16<float>(const uint4& v, float* f) {
+  f[0] = bit_cast_hd<float>(v.x);
+  f[1] = bit_cast_hd<float>(v.y);
+  f[2] = bit_cast_hd<float>(v.z);
+  f[3] = bit_cast_hd<float>(v.w);
 }
 
 template <>
-__device__ __forceinline__ void unpack16<__half>(const uint4& v, float* f) {
+ROPE_HD void unpack16<__half>(const uint4& v, float* f) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 t = __half22float2(bit_cast_dev<__half2>(w[i]));
+    const float2 t = __half22float2(bit_cast_hd<__half2>(w[i]));
     f[2 * i] = t.x;
     f[2 * i + 1] = t.y;
   }
 }
 
 template <>
-__device__ __forceinline__ void unpack16<__nv_bfloat16>(const uint4& v, float* f) {
+ROPE_HD void unpack16<__nv_bfloat16>(const uint4& v, float* f) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 t = __bfloat1622float2(bit_cast_dev<__nv_bfloat162>(w[i]));
+    const float2 t = __bfloat1622float2(bit_cast_hd<__nv_bfloat162>(w[i]));
     f[2 * i] = t.x;
     f[2 * i + 1] = t.y;
   }
 }
 
 template <typename T>
-__device__ __forceinline__ uint4 pack16(const float* f);
+ROPE_HD uint4 pack16(const float* f);
 
 template <>
-__device__ __forceinline__ uint4 pack16<float>(const float* f) {
-  return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
-                    __float_as_uint(f[3]));
+ROPE_HD uint4 pack16<float>(const float* f) {
+  return make_uint4(bit_cast_hd<uint32_t>(f[0]), bit_cast_hd<uint32_t>(f[1]),
+                    bit_cast_hd<uint32_t>(f[2]), bit_cast_hd<uint32_t>(f[3]));
 }
 
 template <>
-__device__ __forceinline__ uint4 pack16<__half>(const float* f) {
+ROPE_HD uint4 pack16<__half>(const float* f) {
   uint32_t w[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = bit_cast_dev<uint32_t>(__floats2half2_rn(f[2 * i], f[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) w[i] = bit_cast_hd<uint32_t>(__floats2half2_rn(f[2 * i], f[2 * i + 1]));
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 template <>
-__device__ __forceinline__ uint4 pack16<__nv_bfloat16>(const float* f) {
+ROPE_HD uint4 pack16<__nv_bfloat16>(const float* f) {
   uint32_t w[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
-    w[i] = bit_cast_dev<uint32_t>(__floats2bfloat162_rn(f[2 * i], f[2 * i + 1]));
+    w[i] = bit_cast_hd<uint32_t>(__floats2bfloat162_rn(f[2 * i], f[2 * i + 1]));
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+ROPE_HD float to_f32(float x) { return x; }
+ROPE_HD float to_f32(__half x) { return __half2float(x); }
+ROPE_HD float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 template <typename T>
-__device__ __forceinline__ T from_f32(float x);
+ROPE_HD T from_f32(float x);
 template <>
-__device__ __forceinline__ float from_f32<float>(float x) { return x; }
+ROPE_HD float from_f32<float>(float x) { return x; }
 template <>
-__device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+ROPE_HD __half from_f32<__half>(float x) { return __float2half_rn(x); }
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+ROPE_HD __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
 // ------------------------------------------------------------------------------------------------
 // positions and cos/sin
 
-__device__ __forceinline__ int64_t load_position(const RopeParams& p, int64_t b, int64_t s) {
+ROPE_HD int64_t load_position(const RopeParams& p, int64_t b, int64_t s) {
   if (p.pos_kind == ROPE_POS_I32) {
-    return (int64_t)__ldg(static_cast<const int32_t*>(p.pos) + b * p.pos_stride_b + s * p.pos_stride_s);
+    return (int64_t)ldg_ro(static_cast<const int32_t*>(p.pos) + b * p.pos_stride_b + s * p.pos_stride_s);
   }
   if (p.pos_kind == ROPE_POS_I64) {
-    return (int64_t)__ldg(static_cast<const long long*>(p.pos) + b * p.pos_stride_b +
+    return (int64_t)ldg_ro(static_cast<const long long*>(p.pos) + b * p.pos_stride_b +
                           s * p.pos_stride_s);
   }
   return p.pos_offset + s;
@@ -131,9 +146,9 @@ __device__ __forceinline__ int64_t load_position(const RopeParams& p, int64_t b,
 // m*cos and m*sin of frequency i at integer position pos, from fixed-point turns:
 // turns64 = pos * freq_turns[i] (wrapping), its top 32 bits as a signed int32 are turns * 2^32,
 // so the angle is pi * (top * 2^-31); sincospif does the reduction exactly.
-__device__ __forceinline__ void cos_sin_on_the_fly(int64_t pos, const int64_t* freq_turns, int i,
+ROPE_HD void cos_sin_on_the_fly(int64_t pos, const int64_t* freq_turns, int i,
                                                    float m, float& c, float& s) {
-  const unsigned long long ft = (unsigned long long)__ldg((const long long*)freq_turns + i);
+  const unsigned long long ft = (unsigned long long)ldg_ro((const long long*)freq_turns + i);
   const unsigned long long t = (unsigned long long)pos * ft;
   const int32_t top = (int32_t)(uint32_t)(t >> 32);
   sincospif((float)top * 4.656612873077392578125e-10f /* 2^-31 */, &s, &c);
@@ -144,31 +159,31 @@ __device__ __forceinline__ void cos_sin_on_the_fly(int64_t pos, const int64_t* f
 // NC consecutive float32 values of cos and sin for frequencies [i0, i0 + NC) at position pos;
 // sin negated for the inverse rotation. Table rows only for 0 <= pos < table_rows.
 template <int NC>
-__device__ __forceinline__ void load_cos_sin(const RopeParams& p, int64_t pos, int64_t i0,
+ROPE_HD void load_cos_sin(const RopeParams& p, int64_t pos, int64_t i0,
                                              float* c, float* s) {
   if (pos >= 0 && pos < p.table_rows) {
     const int64_t off = pos * (p.R >> 1) + i0;
     if constexpr (NC % 4 == 0) {
 #pragma unroll
       for (int j = 0; j < NC; j += 4) {
-        const float4 cv = __ldg(reinterpret_cast<const float4*>(p.cos_table + off + j));
-        const float4 sv = __ldg(reinterpret_cast<const float4*>(p.sin_table + off + j));
+        const float4 cv = ldg_ro(reinterpret_cast<const float4*>(p.cos_table + off + j));
+        const float4 sv = ldg_ro(reinterpret_cast<const float4*>(p.sin_table + off + j));
         c[j] = cv.x; c[j + 1] = cv.y; c[j + 2] = cv.z; c[j + 3] = cv.w;
         s[j] = sv.x; s[j + 1] = sv.y; s[j + 2] = sv.z; s[j + 3] = sv.w;
       }
     } else if constexpr (NC % 2 == 0) {
 #pragma unroll
       for (int j = 0; j < NC; j += 2) {
-        const float2 cv = __ldg(reinterpret_cast<const float2*>(p.cos_table + off + j));
-        const float2 sv = __ldg(reinterpret_cast<const float2*>(p.sin_table + off + j));
+        const float2 cv = ldg_ro(reinterpret_cast<const float2*>(p.cos_table + off + j));
+        const float2 sv = ldg_ro(reinterpret_cast<const float2*>(p.sin_table + off + j));
         c[j] = cv.x; c[j + 1] = cv.y;
         s[j] = sv.x; s[j + 1] = sv.y;
       }
     } else {
 #pragma unroll
       for (int j = 0; j < NC; ++j) {
-        c[j] = __ldg(p.cos_table + off + j);
-        s[j] = __ldg(p.sin_table + off + j);
+        c[j] = ldg_ro(p.cos_table + off + j);
+        s[j] = ldg_ro(p.sin_table + off + j);
       }
     }
   } else if (p.freq_turns != nullptr) {
@@ -176,7 +191,7 @@ __device__ __forceinline__ void load_cos_sin(const RopeParams& p, int64_t pos, i
     for (int j = 0; j < NC; ++j)
       cos_sin_on_the_fly(pos, p.freq_turns, (int)(i0 + j), p.attention_factor, c[j], s[j]);
   } else {
-    const float nan = __int_as_float(0x7fffffff);
+    const float nan = bit_cast_hd<float>(0x7fffffffu);
 #pragma unroll
     for (int j = 0; j < NC; ++j) {
       c[j] = nan;
@@ -198,13 +213,10 @@ __device__ __forceinline__ void load_cos_sin(const RopeParams& p, int64_t pos, i
 // floats are loaded once and reused for all of the thread's heads. Chunks CR <= c < CT copy
 // pass-through vectors [R, D) (out of place only). Loads for kUnroll heads are issued before math.
 template <typename T, bool NEOX, int UNROLL>
-__global__ void __launch_bounds__(kThreads)
-    rope_fast_kernel(const __grid_constant__ RopeParams p, const int CR, const int CT, const int HL,
-                     const long long total) {
+ROPE_HD void fast_thread(const RopeParams& p, const int CR, const int CT, const int HL,
+                         const long long gid) {
   constexpr int V = VecInfo<T>::kVec;
   constexpr int NC = NEOX ? V : V / 2;
-  const long long gid = (long long)blockIdx.x * kThreads + threadIdx.x;
-  if (gid >= total) return;
   const int c = (int)(gid % CT);
   const long long t = gid / CT;
   const int lane = (int)(t % HL);
@@ -278,17 +290,22 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <typename T, bool NEOX, int UNROLL>
+__global__ void __launch_bounds__(kThreads)
+    rope_fast_kernel(const __grid_constant__ RopeParams p, const int CR, const int CT, const int HL,
+                     const long long total) {
+  const long long gid = (long long)blockIdx.x * kThreads + threadIdx.x;
+  if (gid < total) fast_thread<T, NEOX, UNROLL>(p, CR, CT, HL, gid);
+}
+
 // ------------------------------------------------------------------------------------------------
 // Generic path: any strides (including head_dim stride != 1), any even R, any D, no alignment.
 // One item per pair (j < R/2) or per pass-through element; grid-stride loop, 64-bit indices.
 template <typename T, bool NEOX>
-__global__ void __launch_bounds__(kThreads)
-    rope_generic_kernel(const __grid_constant__ RopeParams p, const long long per_head,
-                        const long long total) {
+ROPE_HD void generic_item(const RopeParams& p, const long long per_head, const long long gid) {
   const long long half = p.R >> 1;
   const long long Ht = p.Hq + p.Hk;
-  for (long long gid = (long long)blockIdx.x * kThreads + threadIdx.x; gid < total;
-       gid += (long long)gridDim.x * kThreads) {
+  {
     const long long j = gid % per_head;
     const long long t = gid / per_head;
     const long long h = t % Ht;
@@ -329,6 +346,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <typename T, bool NEOX>
+__global__ void __launch_bounds__(kThreads)
+    rope_generic_kernel(const __grid_constant__ RopeParams p, const long long per_head,
+                        const long long total) {
+  for (long long gid = (long long)blockIdx.x * kThreads + threadIdx.x; gid < total;
+       gid += (long long)gridDim.x * kThreads)
+    generic_item<T, NEOX>(p, per_head, gid);
+}
+
 // ------------------------------------------------------------------------------------------------
 // host side
 
@@ -352,6 +378,7 @@ bool params_ok(const RopeParams* p) {
   if (p->dtype < ROPE_F32 || p->dtype > ROPE_BF16) return false;
   if (p->B < 0 || p->S < 0 || p->Hq < 0 || p->Hk < 0) return false;
   if (p->R <= 0 || (p->R & 1) || p->R > p->D) return false;
+  if (p->B == 0 || p->S == 0) return true;  // nothing to do; empty tensors may have null data
   if (p->Hq > 0 && (p->q == nullptr || p->q_out == nullptr)) return false;
   if (p->Hk > 0 && (p->k == nullptr || p->k_out == nullptr)) return false;
   if (p->pos_kind != ROPE_POS_OFFSET && p->pos == nullptr) return false;
@@ -380,7 +407,8 @@ int pick_path(const RopeParams* p) {
 }
 
 template <typename T, bool NEOX>
-cudaError_t launch_typed(const RopeParams& p, int path, int num_sms, cudaStream_t stream) {
+cudaError_t launch_typed(const RopeParams& p, int path, int num_sms, cudaStream_t stream,
+                         bool emulate) {
   const int64_t tokens = p.B * p.S;
   const int64_t Ht = p.Hq + p.Hk;
   const int sms = num_sms > 0 ? num_sms : 132;
@@ -404,6 +432,19 @@ cudaError_t launch_typed(const RopeParams& p, int path, int num_sms, cudaStream_
     const int64_t total = per_lane * hl;
     const int64_t blocks = (total + kThreads - 1) / kThreads;
     if (CT > (1 << 30) || hl > (1 << 30) || blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
+#ifdef ROPE_HOST_EMULATION
+    if (emulate) {
+      for (long long g = 0; g < total; ++g) {
+        if (hl >= Ht) {
+          fast_thread<T, NEOX, 1>(p, (int)CR, (int)CT, (int)hl, g);
+        } else {
+          fast_thread<T, NEOX, kUnroll>(p, (int)CR, (int)CT, (int)hl, g);
+        }
+      }
+      return cudaSuccess;
+    }
+#endif
+    (void)emulate;
     if (hl >= Ht) {
       rope_fast_kernel<T, NEOX, 1><<<(unsigned)blocks, kThreads, 0, stream>>>(
           p, (int)CR, (int)CT, (int)hl, (long long)total);
@@ -417,6 +458,12 @@ cudaError_t launch_typed(const RopeParams& p, int path, int num_sms, cudaStream_
     int64_t blocks = (total + kThreads - 1) / kThreads;
     const int64_t cap = (int64_t)sms * 16;
     if (blocks > cap) blocks = cap;
+#ifdef ROPE_HOST_EMULATION
+    if (emulate) {
+      for (long long g = 0; g < total; ++g) generic_item<T, NEOX>(p, (long long)per_head, g);
+      return cudaSuccess;
+    }
+#endif
     rope_generic_kernel<T, NEOX><<<(unsigned)blocks, kThreads, 0, stream>>>(
         p, (long long)per_head, (long long)total);
   }
@@ -424,9 +471,24 @@ cudaError_t launch_typed(const RopeParams& p, int path, int num_sms, cudaStream_
 }
 
 template <typename T>
-cudaError_t launch_style(const RopeParams& p, int path, int num_sms, cudaStream_t stream) {
-  return p.interleaved ? launch_typed<T, false>(p, path, num_sms, stream)
-                       : launch_typed<T, true>(p, path, num_sms, stream);
+cudaError_t launch_style(const RopeParams& p, int path, int num_sms, cudaStream_t stream,
+                         bool emulate) {
+  return p.interleaved ? launch_typed<T, false>(p, path, num_sms, stream, emulate)
+                       : launch_typed<T, true>(p, path, num_sms, stream, emulate);
+}
+
+cudaError_t dispatch(const RopeParams* p, int num_sms, cudaStream_t stream, bool emulate) {
+  if (!params_ok(p)) return cudaErrorInvalidValue;
+  const int path = pick_path(p);
+  if (path == 0) return cudaSuccess;
+  switch (p->dtype) {
+    case ROPE_F32:
+      return launch_style<float>(*p, path, num_sms, stream, emulate);
+    case ROPE_F16:
+      return launch_style<__half>(*p, path, num_sms, stream, emulate);
+    default:
+      return launch_style<__nv_bfloat16>(*p, path, num_sms, stream, emulate);
+  }
 }
 
 }  // namespace
@@ -438,19 +500,16 @@ extern "C" int rope_pick_path(const RopeParams* p) {
 }
 
 extern "C" cudaError_t rope_launch(const RopeParams* p, int num_sms, cudaStream_t stream) {
-  using namespace rope_ops_cuda;
-  if (!params_ok(p)) return cudaErrorInvalidValue;
-  const int path = pick_path(p);
-  if (path == 0) return cudaSuccess;
-  switch (p->dtype) {
-    case ROPE_F32:
-      return launch_style<float>(*p, path, num_sms, stream);
-    case ROPE_F16:
-      return launch_style<__half>(*p, path, num_sms, stream);
-    default:
-      return launch_style<__nv_bfloat16>(*p, path, num_sms, stream);
-  }
+  return rope_ops_cuda::dispatch(p, num_sms, stream, false);
 }
+
+#ifdef ROPE_HOST_EMULATION
+// Test hook: the same path choice, grid sizing and per-thread code, run serially on the CPU over
+// host pointers (every gid of the would-be grid, in order). Returns 0 on success.
+extern "C" int rope_host_emulate(const RopeParams* p, int num_sms) {
+  return (int)rope_ops_cuda::dispatch(p, num_sms, nullptr, true);
+}
+#endif
 
 extern "C" void rope_set_tuning(int max_heads_per_thread, int min_threads_per_sm) {
   if (max_heads_per_thread >= 1) rope_ops_cuda::g_max_heads_per_thread = max_heads_per_thread;

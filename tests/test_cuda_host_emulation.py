@@ -1,0 +1,195 @@
+"""The CUDA kernels' per-thread code, run on the CPU (no GPU needed), against the float64 reference.
+
+csrc/rope_kernels.cu keeps every per-thread function __host__ __device__; compiled with
+-DROPE_HOST_EMULATION it exports rope_host_emulate(), which makes the same path choice and grid
+sizing as rope_launch() and runs each would-be thread in turn on host pointers. This test builds
+that as a shared library with nvcc, maps KernelArgs to RopeParams exactly as csrc/rope_binding.cpp
+does (layout permutation, element strides), and runs the accuracy cases of
+tools/gpu_cuda_check.py on CPU tensors, including the expected fast/generic path of each case.
+
+What it cannot see: device-only behaviour (__ldg, real concurrency, the device's sincospif and
+conversion rounding, alignment faults), the torch binding and the build through cpp_extension.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from rope_ops.backend import LAYOUT_DIMS
+
+ROOT = Path(__file__).resolve().parents[1]
+CU = ROOT / "csrc" / "rope_kernels.cu"
+
+
+def _nvcc() -> str | None:
+    if os.environ.get("NVCC"):
+        return os.environ["NVCC"]
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / "nvcc").exists():
+            return str(Path(home) / "bin" / "nvcc")
+    return None
+
+
+class RopeParams(ctypes.Structure):  # mirrors csrc/rope_kernels.h
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("q_out", ctypes.c_void_p),
+        ("q_stride", ctypes.c_int64 * 4), ("q_out_stride", ctypes.c_int64 * 4),
+        ("k", ctypes.c_void_p), ("k_out", ctypes.c_void_p),
+        ("k_stride", ctypes.c_int64 * 4), ("k_out_stride", ctypes.c_int64 * 4),
+        ("B", ctypes.c_int64), ("S", ctypes.c_int64), ("Hq", ctypes.c_int64),
+        ("Hk", ctypes.c_int64), ("D", ctypes.c_int64), ("R", ctypes.c_int64),
+        ("dtype", ctypes.c_int), ("interleaved", ctypes.c_int), ("inverse", ctypes.c_int),
+        ("copy_passthrough", ctypes.c_int),
+        ("pos", ctypes.c_void_p), ("pos_kind", ctypes.c_int),
+        ("pos_stride_b", ctypes.c_int64), ("pos_stride_s", ctypes.c_int64),
+        ("pos_offset", ctypes.c_int64),
+        ("cos_table", ctypes.c_void_p), ("sin_table", ctypes.c_void_p),
+        ("table_rows", ctypes.c_int64), ("freq_turns", ctypes.c_void_p),
+        ("attention_factor", ctypes.c_float),
+    ]
+
+
+_DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def canon(t: torch.Tensor, layout: str):
+    b, s, h, d = LAYOUT_DIMS[layout]
+    if b is None:
+        return (1, t.shape[s], t.shape[h], t.shape[d]), (0, t.stride(s), t.stride(h), t.stride(d))
+    return ((t.shape[b], t.shape[s], t.shape[h], t.shape[d]),
+            (t.stride(b), t.stride(s), t.stride(h), t.stride(d)))
+
+
+def params(args=None, *, q, k, q_out, k_out, layout, rotary_dim, interleaved, inplace,
+           cos, sin=None, pos=None, pos_offset=0, freq_turns=None, attention_factor=1.0,
+           inverse=False) -> RopeParams:
+    p = RopeParams()
+    (B, S, Hq, D), st = canon(q, layout)
+    _, sto = canon(q_out, layout)
+    p.q, p.q_out = q.data_ptr(), q_out.data_ptr()
+    p.q_stride[:], p.q_out_stride[:] = st, sto
+    p.B, p.S, p.Hq, p.D = B, S, Hq, D
+    if k is not None:
+        (_, _, Hk, _), stk = canon(k, layout)
+        _, stko = canon(k_out, layout)
+        p.k, p.k_out = k.data_ptr(), k_out.data_ptr()
+        p.k_stride[:], p.k_out_stride[:] = stk, stko
+        p.Hk = Hk
+    p.R = rotary_dim
+    p.dtype = _DTYPE[q.dtype]
+    p.interleaved, p.inverse, p.copy_passthrough = int(interleaved), int(inverse), int(not inplace)
+    if pos is None:
+        p.pos_kind, p.pos_offset = 0, pos_offset
+    else:
+        p.pos = pos.data_ptr()
+        p.pos_kind = 1 if pos.dtype == torch.int32 else 2
+        if pos.dim() == 1:
+            p.pos_stride_b, p.pos_stride_s = 0, pos.stride(0)
+        else:
+            p.pos_stride_b, p.pos_stride_s = pos.stride(0), pos.stride(1)
+    p.cos_table = cos.data_ptr()
+    p.sin_table = (sin if sin is not None else cos).data_ptr()
+    p.table_rows = cos.shape[0]
+    p.freq_turns = freq_turns.data_ptr() if freq_turns is not None else None
+    p.attention_factor = attention_factor
+    return p
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (no CUDA toolkit on this machine)")
+    out = tmp_path_factory.mktemp("rope_emu") / "librope_emu.so"
+    proc = subprocess.run(
+        [nvcc, "-O2", "-std=c++17", "-DROPE_HOST_EMULATION", "-Xcompiler", "-fPIC", "-shared",
+         "-gencode=arch=compute_90,code=sm_90", str(CU), "-o", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    so = ctypes.CDLL(str(out))
+    so.rope_host_emulate.argtypes = [ctypes.POINTER(RopeParams), ctypes.c_int]
+    so.rope_host_emulate.restype = ctypes.c_int
+    so.rope_pick_path.argtypes = [ctypes.POINTER(RopeParams)]
+    so.rope_pick_path.restype = ctypes.c_int
+    so.rope_set_tuning.argtypes = [ctypes.c_int, ctypes.c_int]
+    so.rope_set_tuning.restype = None
+    return so
+
+
+@pytest.fixture(scope="module")
+def check_tool():
+    spec = importlib.util.spec_from_file_location("gpu_cuda_check",
+                                                  ROOT / "tools" / "gpu_cuda_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class EmulatedBackend:
+    def __init__(self, so):
+        self.so = so
+
+    def run(self, a):
+        p = params(q=a.q, k=a.k, q_out=a.q_out, k_out=a.k_out, layout=a.layout,
+                   rotary_dim=a.rotary_dim, interleaved=a.interleaved, inplace=a.inplace,
+                   cos=a.cos, sin=a.sin, pos=a.pos, pos_offset=a.pos_offset,
+                   freq_turns=a.freq_turns, attention_factor=a.attention_factor,
+                   inverse=a.inverse)
+        rc = self.so.rope_host_emulate(ctypes.byref(p), 132)  # an H200's SM count
+        if rc != 0:
+            raise RuntimeError(f"rope_host_emulate returned {rc}")
+
+
+def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch):
+    g = check_tool
+    monkeypatch.setattr(g, "DEV", "cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(g, "large_tensor", lambda rn: None)
+
+    def kernel_path(q, k, q_out, k_out, layout, r, interleaved, inplace, cos):
+        p = params(q=q, k=k, q_out=q_out, k_out=k_out, layout=layout, rotary_dim=r,
+                   interleaved=interleaved, inplace=inplace, cos=cos)
+        return lib.rope_pick_path(ctypes.byref(p))
+
+    monkeypatch.setattr(g, "kernel_path", kernel_path)
+
+    class Tuning:
+        @staticmethod
+        def set_tuning(max_heads, min_threads):
+            lib.rope_set_tuning(max_heads, min_threads)
+
+    rn = g.Runner(EmulatedBackend(lib), Tuning())
+    try:
+        g.accuracy(rn)
+    finally:
+        lib.rope_set_tuning(8, 4096)
+    assert rn.count > 250
+    assert not rn.failures, "\n".join(rn.failures[:20])
+    paths = list(rn.paths.values())
+    assert paths.count(1) > 150 and paths.count(2) > 50, (paths.count(1), paths.count(2))
+
+
+def test_invalid_params_are_refused(lib):
+    q = torch.zeros(1, 2, 1, 8)
+    cos = torch.zeros(4, 4)
+    p = params(q=q, k=None, q_out=q, k_out=None, layout="bshd", rotary_dim=8,
+               interleaved=False, inplace=True, cos=cos)
+    assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
+    p.R = 7  # odd rotary dim
+    assert lib.rope_host_emulate(ctypes.byref(p), 132) != 0
+    p.R = 10  # rotary dim > head dim
+    assert lib.rope_pick_path(ctypes.byref(p)) == -1
+    p.R = 8
+    p.pos_kind = 2  # positions tensor announced but null
+    assert lib.rope_host_emulate(ctypes.byref(p), 132) != 0
