@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The whole test run, in the project's environment (set up by .ci/run): unit tests, then the
+# conformance suite on every backend that runs on a CPU. Exits non-zero on the first failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export TORCH_DEVICE_BACKEND_AUTOLOAD=0   # a stray torch_npu without CANN must not break `import torch`
+export PYTHONDONTWRITEBYTECODE=1
+py=${PYTHON:-python}
+
+echo "== unit, registry, frequencies-vs-HF, CUDA sources, Ascend CPU verification, Triton (interpreter)"
+"$py" -m pytest -q tests
+echo "== conformance: torch backend"
+"$py" -m pytest -q -p no:cacheprovider --pyargs rope_ops.testing --rope-backend torch
+echo "== conformance: third-party example backend (complex)"
+"$py" -m pytest -q -p no:cacheprovider --pyargs rope_ops.testing --rope-backend complex
+echo "== conformance: triton backend through the Triton interpreter on the CPU"
+TRITON_INTERPRET=1 ROPE_OPS_TEST_EXAMPLES=10 "$py" -m pytest -q -p no:cacheprovider --pyargs rope_ops.testing --rope-backend triton
