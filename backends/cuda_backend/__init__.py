@@ -225,7 +225,10 @@ class CudaBackend(Backend):
             op = _state["op"]
             if op is None:
                 raise RuntimeError("rope_ops cuda backend unavailable: " + "; ".join(reasons))
-        op(args.q, args.k, args.q_out, args.k_out, args.pos, args.pos_offset, args.cos, args.sin,
+        pos = args.pos
+        if pos is not None and not pos.is_cuda:  # positions handed over on the host
+            pos = pos.to(args.q.device, non_blocking=True)
+        op(args.q, args.k, args.q_out, args.k_out, pos, args.pos_offset, args.cos, args.sin,
            args.freq_turns, args.attention_factor, _LAYOUT_CODES[args.layout], args.rotary_dim,
            args.interleaved, args.inverse, args.inplace)
 
