@@ -136,6 +136,7 @@ class TritonBackend(Backend):
         q, k, qo, ko, pos = args.q, args.k, args.q_out, args.k_out, args.pos
         # Everything a plan derives from, flat (cheap to hash). pos shapes follow from q's
         # (validated by the core), so pos strides and dtype suffice.
+        dev = q.get_device()
         # The 16-byte alignment of every pointer is part of triton's specialization, so of the key.
         align = q.data_ptr() | qo.data_ptr() | args.cos.data_ptr() | args.sin.data_ptr()
         if k is None:
@@ -152,8 +153,16 @@ class TritonBackend(Backend):
             kkey, None if k is None else k.stride(), None if ko is k else ko.stride(),
             None if pos is None else pos.stride(), None if pos is None else pos.dtype,
             args.cos.shape[0], args.freq_turns is None, args.rotary_dim, args.interleaved,
-            args.inverse, args.inplace, q.dtype, q.get_device(), align & 15,
+            args.inverse, args.inplace, q.dtype, dev, align & 15,
         )
+        if dev >= 0 and dev != torch.cuda.current_device():
+            # triton launches on the current device: make it q's for this call.
+            with torch.cuda.device(dev):
+                return self._run(key, args)
+        return self._run(key, args)
+
+    def _run(self, key, args: KernelArgs) -> None:
+        q, k, qo, ko, pos = args.q, args.k, args.q_out, args.k_out, args.pos
         plan = self._plans.get(key)
         if plan is None:
             plan = self._make_plan(args)
@@ -174,7 +183,9 @@ class TritonBackend(Backend):
                 plan.runner(*ptrs, plan.n_tokens, plan.seq, plan.n_rows, off,
                             float(args.attention_factor), *plan.tail)
                 return
-            except Exception:  # a triton whose launcher differs: never try again
+            except (TypeError, ValueError, SystemError, AttributeError):
+                # a triton whose launcher takes other arguments (checked before launching):
+                # never try again
                 self.fast_launch = False
                 for p in self._plans.values():
                     p.runner = None
