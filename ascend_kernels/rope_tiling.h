@@ -26,6 +26,7 @@
 #define ROPE_MAX_BLOCK_LEN 2097151    /* DataCopyPad blockLen limit, bytes */
 #define ROPE_MAX_STRIDE 4294967295LL  /* DataCopyPad GM-side stride field (uint32, bytes) */
 #define ROPE_MAX_TILE_ROWS 4095
+#define ROPE_MAX_VEC_BYTES 65280       /* one vector instruction: 255 repeats of 256 bytes */
 
 enum RopeTilingStatus {
     ROPE_TILING_OK = 0,
@@ -161,6 +162,11 @@ static inline int compute_rope_tiling(RopeTiling* t, int64_t ubSize, int64_t cor
     int64_t tile = fit;
     if (tile > t->formerRows) tile = t->formerRows;
     if (tile > ROPE_MAX_TILE_ROWS) tile = ROPE_MAX_TILE_ROWS;
+    // Every vector instruction covers a whole tile (tileRows * rotPad floats): keep it within 255
+    // repeats, whether or not the count API would split it.
+    int64_t vecRows = ROPE_MAX_VEC_BYTES / (t->rotPad * 4);
+    if (vecRows < 1) return ROPE_TILING_UB_TOO_SMALL;
+    if (tile > vecRows) tile = vecRows;
     t->tileRows = tile;
     t->ubBytes = tile * t->rowBytes;
     return ROPE_TILING_OK;

@@ -58,9 +58,10 @@ def test_constants_match_header():
     assert int(consts["ROPE_MAX_BLOCK_COUNT"]) == tl.MAX_BLOCK_COUNT
     assert int(consts["ROPE_MAX_BLOCK_LEN"]) == tl.MAX_BLOCK_LEN
     assert int(consts["ROPE_MAX_TILE_ROWS"]) == tl.MAX_TILE_ROWS
+    assert int(consts["ROPE_MAX_VEC_BYTES"]) == tl.MAX_VEC_BYTES
 
 
-UB_SIZES = [196608, 262144, 260096, 65536, 16384, 4096]
+UB_SIZES = [196608, 262144, 260096, 65536, 16384, 4096, 1 << 20]
 CORES = [1, 2, 7, 20, 24, 40, 48, 64]
 
 
@@ -160,6 +161,8 @@ def check_invariants(t: dict, cores: int) -> None:
         for length in lens:
             for name in names:
                 assert 0 <= (t[name] - length) * es <= tl.MAX_STRIDE
+    # Every vector instruction (a whole tile of floats) stays within 255 repeats of 256 bytes.
+    assert t["tileRows"] * t["rotPad"] * 4 <= 255 * 256
     # Gather byte offsets (uint32) stay inside the tile buffers.
     assert t["tileRows"] * t["rotPad"] * 4 < 2**32
     assert 2 * t["tileRows"] * t["halfPad"] * 4 < 2**32
@@ -181,7 +184,7 @@ def test_invariants(p, ub, cores):
             t["halfPad"] = -(-(p["rotaryDim"] // 2) // 8) * 8
             tail = p["headDim"] - p["rotaryDim"]
             t["tailPad"] = -(-tail // pb) * pb if tail and not p["inplace"] else 0
-            assert tl.row_bytes(t) > ub - tl.UB_RESERVE
+            assert tl.row_bytes(t) > ub - tl.UB_RESERVE or t["rotPad"] * 4 > tl.MAX_VEC_BYTES
         elif e.status == tl.BAD_STRIDES:
             assert p["seq"] > 1
         return

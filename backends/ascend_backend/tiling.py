@@ -19,6 +19,7 @@ MAX_BLOCK_COUNT = 4095
 MAX_BLOCK_LEN = 2097151
 MAX_STRIDE = 4294967295
 MAX_TILE_ROWS = 4095
+MAX_VEC_BYTES = 65280  # one vector instruction: 255 repeats of 256 bytes
 
 OK, BAD_PARAMS, BAD_STRIDES, UB_TOO_SMALL, BLOCK_LIMIT = range(5)
 STATUS_TEXT = {
@@ -129,7 +130,10 @@ def compute_tiling(params: dict, ub_size: int, core_num: int) -> dict:
     fit = avail // t["rowBytes"] if avail > 0 else 0
     if fit < 1:
         raise TilingError(UB_TOO_SMALL)
-    t["tileRows"] = min(fit, t["formerRows"], MAX_TILE_ROWS)
+    vec_rows = MAX_VEC_BYTES // (t["rotPad"] * 4)
+    if vec_rows < 1:
+        raise TilingError(UB_TOO_SMALL)
+    t["tileRows"] = min(fit, t["formerRows"], MAX_TILE_ROWS, vec_rows)
     t["ubBytes"] = t["tileRows"] * t["rowBytes"]
     return t
 
