@@ -120,3 +120,26 @@ def test_availability_reasons_for_other_builds(monkeypatch):
     assert cb._mismatch({"torch": torch.__version__, "cuda": torch.version.cuda}) is None
     assert cb.arch_flags(["90"]) == ["-gencode=arch=compute_90,code=sm_90",
                                      "-gencode=arch=compute_90,code=compute_90"]
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="torch has CUDA")
+def test_prebuild_command_without_cuda_torch(tmp_path):
+    """`build` refuses with the reason (and builds nothing); `info` lists the reasons."""
+    cache = tmp_path / "cache"
+    proc = _run_python("""
+        import contextlib, io
+        from rope_ops_backends.cuda_backend.__main__ import main
+        for argv, want in ((["build", "--arch", "90"], 1), (["build"], 1), (["info"], 0), ([], 2)):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                try:
+                    rc = main(argv)
+                except SystemExit as e:  # argparse
+                    rc = e.code
+            text = out.getvalue()
+            assert rc == want, (argv, rc, text)
+            assert argv == [] or "torch.version.cuda is None" in text, (argv, text)
+        print("OK")
+    """, env={"ROPE_OPS_CACHE": str(cache)})
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+    assert not cache.exists()

@@ -121,8 +121,9 @@ def toolchain_reasons() -> list[str]:
     home = cpp_extension.CUDA_HOME
     nvcc = Path(home) / "bin" / "nvcc" if home else None
     if nvcc is None or not nvcc.exists():
-        reasons.append("nvcc not found (set CUDA_HOME to a CUDA toolkit matching "
-                       f"torch's CUDA {torch.version.cuda}); cannot build the CUDA extension")
+        reasons.append(f"nvcc not found (CUDA_HOME={home!r}; set CUDA_HOME to a CUDA toolkit "
+                       f"matching torch's CUDA {torch.version.cuda}); cannot build the CUDA "
+                       "extension")
     if not cpp_extension.is_ninja_available():
         reasons.append("ninja not found (pip install ninja); cannot build the CUDA extension")
     return reasons
@@ -149,6 +150,8 @@ def build(archs: list[str] | None = None, *, force: bool = False, verbose: bool 
     """Build (or load) the extension into this process. Returns reasons it failed, [] on success."""
     if _state["op"] is not None:
         return []
+    if getattr(torch.version, "hip", None) or torch.version.cuda is None:
+        return environment_reasons()
     if archs is None:
         archs = visible_archs()
     if not archs:
