@@ -32,7 +32,7 @@ def _pick_blocks(n_tokens: int, hq: int, hk: int, head_dim: int, rotary_dim: int
                  copy_pass: bool) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_H, num_warps) for one shape class."""
     rot_p = 2 * _next_pow2(rotary_dim // 2)
-    pass_p = _next_pow2(head_dim - rotary_dim) if copy_pass else 0
+    pass_p = _next_pow2(head_dim) if copy_pass else 0
     per_head = rot_p + pass_p
     heads = hq + hk
     if n_tokens <= _SMALL_TOKENS:
@@ -254,7 +254,7 @@ class TritonBackend(Backend):
         ints = (n_tokens, seq, n_rows, *sq, *sk, *sqo, *sko, *sp)
         consts = (
             hq, hk, head_dim, rotary_dim, _next_pow2(rotary_dim // 2),
-            _next_pow2(head_dim - rotary_dim) if rotary_dim < head_dim else 1,
+            _next_pow2(head_dim) if copy_pass else 1,
             block_t, block_h, bool(args.interleaved), bool(args.inverse), copy_pass,
             pos is not None, args.freq_turns is not None, d_contig,
             (not _INTERPRET) and self._get_kernel().libdevice is not None,

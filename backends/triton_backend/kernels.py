@@ -93,10 +93,15 @@ def _rotate_store(x, y, c, s, out_ptr, row_off, tmask, h0, n_heads, s_h, s_d,
 def _copy_pass(in_ptr, out_ptr, row_in, row_out, tmask, h0, n_heads, si_h, si_d, so_h, so_d,
                BLOCK_H: tl.constexpr, ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
                PASS_P: tl.constexpr, D_CONTIG: tl.constexpr):
-    """Copy the pass-through dims [ROTARY_DIM, HEAD_DIM) of heads [h0, h0 + BLOCK_H)."""
+    """Copy the pass-through dims [ROTARY_DIM, HEAD_DIM) of heads [h0, h0 + BLOCK_H).
+
+    The tile spans the whole head (PASS_P = pow2 >= HEAD_DIM) with the rotary dims masked off,
+    so it starts aligned and the mask edges fall on vector boundaries: 16-byte accesses.
+    """
     h = h0 + tl.arange(0, BLOCK_H)
-    d = ROTARY_DIM + tl.arange(0, PASS_P)
-    m = tmask[:, None, None] & (h < n_heads)[None, :, None] & (d < HEAD_DIM)[None, None, :]
+    d = tl.arange(0, PASS_P)
+    dmask = (d >= ROTARY_DIM) & (d < HEAD_DIM)
+    m = tmask[:, None, None] & (h < n_heads)[None, :, None] & dmask[None, None, :]
     v = tl.load(in_ptr + _chunk_offsets(row_in, h, si_h, d, si_d, D_CONTIG), mask=m)
     tl.store(out_ptr + _chunk_offsets(row_out, h, so_h, d, so_d, D_CONTIG), v, mask=m)
 
