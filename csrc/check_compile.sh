@@ -62,7 +62,9 @@ done
 
 if [ "${ROPE_OPS_SKIP_BINDING_CHECK:-0}" != 1 ] && [ -f "$here/rope_binding.cpp" ]; then
   py="${PYTHON:-python3}"
-  if inc="$("$py" -c 'import torch.utils.cpp_extension as c; print("\n".join(c.include_paths()))' 2>/dev/null)"; then
+  if ! command -v "${CXX:-g++}" >/dev/null 2>&1; then
+    echo "== rope_binding.cpp: skipped (no host C++ compiler ${CXX:-g++})"
+  elif inc="$("$py" -c 'import torch.utils.cpp_extension as c; print("\n".join(c.include_paths()))' 2>/dev/null)"; then
     cuda_inc=""
     for c in "$(dirname "$(dirname "$(readlink -f "$nvcc")")")" "${CUDA_HOME:-}" /usr/local/cuda; do
       if [ -n "$c" ] && [ -f "$c/include/cuda_runtime.h" ]; then cuda_inc="$c/include"; break; fi
