@@ -115,6 +115,7 @@ class AscendBackend(Backend):
         self._env: _Env | None = None
         self._torch_backend = None
         self._core_num: dict[int, int] = {}
+        self._soc: dict[int, str | None] = {}
         self.tier_counts = {t: 0 for t in TIERS}  # calls served per tier (for info and tests)
         self.last_tier: str | None = None
         self.last_reasons: dict[str, list[str]] = {}
@@ -240,13 +241,21 @@ class AscendBackend(Backend):
         return int(raw) if raw else DEFAULT_UB_SIZE
 
     def _soc_name(self, t: torch.Tensor) -> str | None:
-        try:
-            return str(torch.npu.get_device_name(self._device_index(t)))
-        except Exception:
-            return None
+        idx = self._device_index(t)
+        if idx not in self._soc:
+            try:
+                self._soc[idx] = str(torch.npu.get_device_name(idx))
+            except Exception:
+                self._soc[idx] = None
+        return self._soc[idx]
 
     def choose_tier(self, args: KernelArgs) -> tuple[str, dict[str, list[str]]]:
         """(tier, reasons each higher tier was skipped). Metadata only: no data, no sync."""
+        tier, skipped, _ = self._choose(args)
+        return tier, skipped
+
+    def _choose(self, args: KernelArgs):
+        """(tier, skipped reasons, what the tier needs: kernel views or npu_rotary_mul plan)."""
         env = self._probe()
         skipped: dict[str, list[str]] = {}
         if not self._tier_allowed("kernels"):
@@ -259,7 +268,7 @@ class AscendBackend(Backend):
             views = kc.kernel_views(args)
             why = kc.kernel_reasons(views, args.inverse, self._ub_size(), self._cores(args.q))
             if not why:
-                return "kernels", skipped
+                return "kernels", skipped, views
             skipped["kernels"] = why
         if not self._tier_allowed("npu_rotary_mul"):
             skipped["npu_rotary_mul"] = ["disabled by ROPE_OPS_ASCEND_TIERS"]
@@ -268,9 +277,9 @@ class AscendBackend(Backend):
         else:
             plan, why = self.rotary_mul_plan(args)
             if plan is not None:
-                return "npu_rotary_mul", skipped
+                return "npu_rotary_mul", skipped, plan
             skipped["npu_rotary_mul"] = why
-        return "torch", skipped
+        return "torch", skipped, None
 
     def rotary_mul_plan(self, args: KernelArgs):
         """(plan, []) when npu_rotary_mul can take the call, else (None, reasons).
@@ -310,27 +319,23 @@ class AscendBackend(Backend):
     def run(self, args: KernelArgs) -> None:
         if args.q.numel() == 0:
             return
-        tier, skipped = self.choose_tier(args)
+        tier, skipped, prepared = self._choose(args)
         self.last_tier, self.last_reasons = tier, skipped
         self.tier_counts[tier] += 1
         if tier == "kernels":
-            self._run_kernels(args)
+            self._run_kernels(args, prepared)
         elif tier == "npu_rotary_mul":
-            self._run_rotary_mul(args)
+            self._run_rotary_mul(args, prepared)
         else:
             self._run_torch(args)
 
-    def _run_kernels(self, args: KernelArgs) -> None:
-        from . import _kernel_call as kc
-
-        v = kc.kernel_views(args)
+    def _run_kernels(self, args: KernelArgs, v) -> None:
         fwd, grad = self._probe().kernel_ops
         op = grad if args.inverse else fwd
         op(v.q, v.k, v.q_out, v.k_out, v.pos, v.pos_offset, v.cos, v.sin, v.freq_turns, v.attention_factor,
            v.rotary_dim, v.interleaved, v.inplace, self._ub_size(), self._cores(args.q))
 
-    def _run_rotary_mul(self, args: KernelArgs) -> None:
-        plan, _ = self.rotary_mul_plan(args)
+    def _run_rotary_mul(self, args: KernelArgs, plan) -> None:
         layout, cos_shape, shared = plan
         rotary_mul = self._probe().rotary_mul
         q = bshd_view(args.q, args.layout)
