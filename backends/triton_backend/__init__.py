@@ -195,7 +195,7 @@ class TritonBackend(Backend):
         kern = self._get_kernel().rope_kernel
         names = ("HQ", "HK", "HEAD_DIM", "ROTARY_DIM", "HALF_P", "PASS_P", "BLOCK_T", "BLOCK_H",
                  "INTERLEAVED", "INVERSE", "COPY_PASS", "HAS_POS", "HAS_TURNS", "D_CONTIG",
-                 "LIBDEVICE")
+                 "LIBDEVICE", "EARLY")
         ck = kern[plan.grid](*ptrs, plan.ints[0], plan.ints[1], plan.ints[2], off, m,
                              *plan.ints[3:], **dict(zip(names, plan.consts)),
                              num_warps=plan.num_warps)
@@ -258,6 +258,7 @@ class TritonBackend(Backend):
             block_t, block_h, bool(args.interleaved), bool(args.inverse), copy_pass,
             pos is not None, args.freq_turns is not None, d_contig,
             (not _INTERPRET) and self._get_kernel().libdevice is not None,
+            2 if block_t == 1 else 1,  # EARLY: decode loads q and k chunks before the position
         )
         grid = (-(-n_tokens // block_t), 1, 1)
         return _Plan(ints, consts, grid, num_warps, pos is not None)

@@ -106,6 +106,21 @@ def _copy_pass(in_ptr, out_ptr, row_in, row_out, tmask, h0, n_heads, si_h, si_d,
     tl.store(out_ptr + _chunk_offsets(row_out, h, so_h, d, so_d, D_CONTIG), v, mask=m)
 
 
+@triton.jit
+def _load_nth(ci: tl.constexpr, NQC: tl.constexpr, q_ptr, row_q, sq_h, sq_d, HQ, k_ptr, row_k,
+              sk_h, sk_d, HK, tmask, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+              HALF: tl.constexpr, HALF_P: tl.constexpr, INTERLEAVED: tl.constexpr,
+              D_CONTIG: tl.constexpr):
+    """Chunk ci of the q chunks followed by the k chunks."""
+    if ci < NQC:
+        x, y = _load_chunk(q_ptr, row_q, tmask, ci * BLOCK_H, HQ, sq_h, sq_d,
+                           BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+    else:
+        x, y = _load_chunk(k_ptr, row_k, tmask, (ci - NQC) * BLOCK_H, HK, sk_h, sk_d,
+                           BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+    return x, y
+
+
 @triton.jit(do_not_specialize=["n_tokens", "seq_len", "n_rows", "pos_offset"])
 def rope_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, turns_ptr,
@@ -119,7 +134,7 @@ def rope_kernel(
     HALF_P: tl.constexpr, PASS_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, COPY_PASS: tl.constexpr,
     HAS_POS: tl.constexpr, HAS_TURNS: tl.constexpr, D_CONTIG: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
+    LIBDEVICE: tl.constexpr, EARLY: tl.constexpr,
 ):
     HALF: tl.constexpr = ROTARY_DIM // 2
     NQC: tl.constexpr = (HQ + BLOCK_H - 1) // BLOCK_H
@@ -136,13 +151,13 @@ def rope_kernel(
     row_k = b * sk_b + sq * sk_s
     row_ko = b * sko_b + sq * sko_s
 
-    # Chunk 0 is loaded first, so its latency overlaps the position -> cos/sin chain.
-    if NQC > 0:
-        x, y = _load_chunk(q_ptr, row_q, tmask, 0, HQ, sq_h, sq_d,
-                           BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
-    else:
-        x, y = _load_chunk(k_ptr, row_k, tmask, 0, HK, sk_h, sk_d,
-                           BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+    # The first chunk (EARLY = 2: the first two) is loaded before the position, so its latency
+    # overlaps the position -> cos/sin chain.
+    x, y = _load_nth(0, NQC, q_ptr, row_q, sq_h, sq_d, HQ, k_ptr, row_k, sk_h, sk_d, HK, tmask,
+                     BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+    if EARLY > 1 and NC > 1:
+        xn, yn = _load_nth(1, NQC, q_ptr, row_q, sq_h, sq_d, HQ, k_ptr, row_k, sk_h, sk_d, HK,
+                           tmask, BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
 
     if HAS_POS:
         p = tl.load(pos_ptr + b * sp_b + sq * sp_s, mask=tmask, other=0).to(tl.int64)
@@ -175,13 +190,10 @@ def rope_kernel(
 
     for ci in tl.static_range(NC):
         # Prefetch chunk ci + 1 before rotating and storing chunk ci.
-        if ci + 1 < NC:
-            if ci + 1 < NQC:
-                xn, yn = _load_chunk(q_ptr, row_q, tmask, (ci + 1) * BLOCK_H, HQ, sq_h, sq_d,
-                                     BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
-            else:
-                xn, yn = _load_chunk(k_ptr, row_k, tmask, (ci + 1 - NQC) * BLOCK_H, HK, sk_h,
-                                     sk_d, BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+        if ci + 1 < NC and not (EARLY > 1 and ci == 0):
+            xn, yn = _load_nth(ci + 1, NQC, q_ptr, row_q, sq_h, sq_d, HQ, k_ptr, row_k, sk_h,
+                               sk_d, HK, tmask, BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED,
+                               D_CONTIG)
         if ci < NQC:
             h0 = ci * BLOCK_H
             _rotate_store(x, y, c, s, qo_ptr, row_qo, tmask, h0, HQ, sqo_h, sqo_d,
