@@ -313,3 +313,11 @@ def test_backend_declarations():
     assert "cuda" in b.device_types
     assert ("cpu" in b.device_types) == INTERPRET
     assert b.availability() == []
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_odd_sizes(style):
+    # Smallest head (D = R = 2), a non-pow2 half (R/2 = 40), many non-pow2 heads in chunks.
+    run_case(D=2, hq=1, hk=1, style=style)
+    run_case(D=80, hq=3, hk=1, S=2, style=style, dtype=torch.bfloat16)
+    run_case(small=False, D=8, R=6, hq=40, hk=5, B=1, S=5, style=style, dtype=torch.float16)

@@ -37,7 +37,13 @@ sys.path.insert(0, str(ROOT))
 
 from rope_ops.backend import KernelArgs  # noqa: E402
 
-import rope_ops_backends.triton_backend as tb  # noqa: E402
+try:
+    import rope_ops_backends.triton_backend as tb  # noqa: E402
+except ImportError:  # a checkout that is not pip-installed: backends/ is the package
+    import importlib
+
+    sys.modules["rope_ops_backends"] = importlib.import_module("backends")
+    import rope_ops_backends.triton_backend as tb  # noqa: E402
 
 T0 = time.time()
 FAILURES: list[str] = []
@@ -377,6 +383,9 @@ def time_workload(w: Work, backend, bw, peers=True):
            "us": us, "pct": nbytes / (us * 1e-6) / bw * 100, "copy_us": copy_us}
     if peers:
         for label, maker in (("liger", liger_fns), ("compile", compile_fns)):
+            if label == "compile" and time.time() - T0 > 150:
+                row[label] = "skipped (time)"
+                continue
             try:
                 pf, why = maker(w)
                 row[label] = graph_time_us(pf) if pf else why
@@ -431,15 +440,15 @@ def main():
         return 1
 
     # 1. correctness -----------------------------------------------------------------------
+    # The unit tests on CUDA tensors run in a subprocess alongside (most of their time is kernel
+    # compilation on the host; their tiny kernels barely touch the GPU); collected at the end.
+    pytest_proc = None
     if not opts.no_pytest and dev == "cuda":
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:rope_ops",
-                            "-p", "no:cacheprovider", str(ROOT / "tests/test_triton_backend.py")],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-        tail = (r.stdout + r.stderr).strip().splitlines()[-3:]
-        log("pytest tests/test_triton_backend.py (cuda):", " | ".join(tail))
-        if r.returncode != 0:
-            FAILURES.append("pytest tests/test_triton_backend.py failed:\n" + r.stdout[-3000:])
+        pytest_proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:rope_ops", "-p", "no:cacheprovider",
+             str(ROOT / "tests/test_triton_backend.py")],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     works = {}
     for spec in workloads(tiny):
         name = spec[0]
@@ -495,6 +504,18 @@ def main():
     if not opts.no_sweep and time.time() - T0 < 190:
         sweeps["W3"] = sweep(works["W3"], tb.TritonBackend, bw, [
             (1, 16, 4), (2, 16, 4), (4, 16, 4), (4, 16, 8), (8, 8, 4)])
+
+    if pytest_proc is not None:
+        try:
+            out, _ = pytest_proc.communicate(timeout=max(10, 225 - (time.time() - T0)))
+        except subprocess.TimeoutExpired:
+            pytest_proc.kill()
+            out, _ = pytest_proc.communicate()
+            FAILURES.append("pytest tests/test_triton_backend.py timed out")
+        tail = out.strip().splitlines()[-3:]
+        log("pytest tests/test_triton_backend.py (cuda):", " | ".join(tail))
+        if pytest_proc.returncode != 0:
+            FAILURES.append("pytest tests/test_triton_backend.py failed:\n" + out[-3000:])
 
     # report --------------------------------------------------------------------------------
     print()
