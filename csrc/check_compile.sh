@@ -52,6 +52,33 @@ for cu in "$here"/*.cu; do
       if grep -Eq '[1-9][0-9]* bytes spill' "$tmp/summary"; then
         echo "check_compile: WARNING: register spills in $(basename "$cu") for sm_$a" >&2
       fi
+      # PTX sanity: every kernel still performs its memory accesses. (A self-recursive load
+      # helper once let the compiler drop the position and cos/sin loads without a warning.)
+      if "$nvcc" -gencode="arch=compute_$a,code=compute_$a" -O3 -std=c++17 "${torch_defs[@]}" \
+          -I"$here" -ptx "$cu" -o "$tmp/$name.sm_$a.ptx" >>"$log" 2>&1; then
+        if ! awk '
+          function check(   need, i, n, miss) {
+            if (kern == "") return
+            if (kern ~ /rope_fast_kernel/) n = split("ld.global.cs.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
+            else if (kern ~ /rope_generic_kernel/) n = split("ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.f32 st.global", need, " ")
+            else n = 0
+            for (i = 1; i <= n; i++) if (index(body, need[i]) == 0) { print "missing " need[i] " in " kern; bad = 1 }
+            if (index(body, "call") != 0 && kern ~ /rope_/) { print "unexpected call in " kern; bad = 1 }
+          }
+          /^[.a-z ]*\.entry / { check(); kern = $0; body = ""; next }
+          { body = body "\n" $0 }
+          END { check(); if (bad) exit 1; }' "$tmp/$name.sm_$a.ptx" >"$tmp/ptxcheck" 2>&1; then
+          cat "$tmp/ptxcheck" >&2
+          echo "check_compile: FAILED: PTX sanity check of $(basename "$cu") for sm_$a" >&2
+          status=1
+        else
+          echo "-- PTX sanity (loads/stores present, no calls): OK"
+        fi
+      else
+        cat "$log" >&2
+        echo "check_compile: FAILED: PTX of $(basename "$cu") for sm_$a" >&2
+        status=1
+      fi
     else
       cat "$log" >&2
       echo "check_compile: FAILED: $(basename "$cu") for sm_$a" >&2

@@ -36,7 +36,18 @@ int g_min_threads_per_sm = 4096;  // aim for at least this many threads per SM (
 template <typename T>
 ROPE_HD T ldg_ro(const T* ptr) {
 #ifdef __CUDA_ARCH__
-  return ldg_ro(ptr);
+  return __ldg(ptr);
+#else
+  return *ptr;
+#endif
+}
+
+// Streaming (evict-first) load of data read exactly once, so that q/k traffic does not push the
+// cos/sin rows and positions out of L2; a plain load on the host.
+template <typename T>
+ROPE_HD T ld_stream(const T* ptr) {
+#ifdef __CUDA_ARCH__
+  return __ldcs(ptr);
 #else
   return *ptr;
 #endif
@@ -247,8 +258,8 @@ ROPE_HD void fast_thread(const RopeParams& p, const int CR, const int CT, const 
       if (h < Ht) {
         const bool isq = h < p.Hq;
         const T* src = isq ? q_tok + h * p.q_stride[2] : k_tok + (h - p.Hq) * p.k_stride[2];
-        va[u] = *reinterpret_cast<const uint4*>(src);
-        if (NEOX && rot) vb[u] = *reinterpret_cast<const uint4*>(src + half);
+        va[u] = ld_stream(reinterpret_cast<const uint4*>(src));
+        if (NEOX && rot) vb[u] = ld_stream(reinterpret_cast<const uint4*>(src + half));
       }
     }
     if (rot && !have_cs) {
