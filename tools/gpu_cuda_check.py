@@ -177,7 +177,14 @@ class Runner:
         self.failures = []
         self.count = 0
         self.failed_cases = 0
+        self.verbose = False
         self.paths = {}
+
+    def ok(self, name):
+        if self.verbose:
+            print(f"  ok   {name}")
+        elif self.count % 50 == 0:
+            print(f"  ... {self.count} cases, {self.failed_cases} failed", flush=True)
 
     def case(self, name, fn):
         self.count += 1
@@ -268,7 +275,7 @@ def run_case(rn: Runner, *, dtype, style, layout, D, r, Hq, Hk, B=2, S=37, inpla
 
     ok = rn.case(name, go)
     if ok:
-        print(f"  ok   {name}  [path {rn.paths.get(name)}]")
+        rn.ok(f"{name}  [path {rn.paths.get(name)}]")
 
 
 LAYOUT_CODE = {"bshd": 0, "sbhd": 1, "bhsd": 2, "thd": 3}
@@ -392,7 +399,7 @@ def garbage_positions(rn: Runner):
         return problems
 
     if rn.case(name, go):
-        print(f"  ok   {name}")
+        rn.ok(name)
 
 
 def zero_tokens(rn: Runner):
@@ -410,7 +417,7 @@ def zero_tokens(rn: Runner):
         return []
 
     if rn.case(name, go):
-        print(f"  ok   {name}")
+        rn.ok(name)
 
 
 def large_tensor(rn: Runner):
@@ -443,7 +450,7 @@ def large_tensor(rn: Runner):
         return compare(name, out, x, ref, torch.bfloat16, 128, "neox", 1.0)
 
     if rn.case(name, go):
-        print(f"  ok   {name}")
+        rn.ok(name)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -681,6 +688,7 @@ def main() -> int:
     ap.add_argument("--perf-only", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="sweep the grid-tuning knobs")
     ap.add_argument("--strict-perf", action="store_true", help="exit 1 on a missed perf target")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every passing case")
     a = ap.parse_args()
     t_start = time.time()
     if not torch.cuda.is_available():
@@ -697,6 +705,7 @@ def main() -> int:
         return 1
     print(f"extension ready in {time.time() - t0:.1f} s ({cb.build_dir(cb.visible_archs())})")
     rn = Runner(backend, cb)
+    rn.verbose = a.verbose
     if not a.perf_only:
         accuracy(rn)
         print(f"\naccuracy: {rn.count - rn.failed_cases}/{rn.count} cases passed, "
