@@ -27,6 +27,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -401,7 +402,7 @@ def time_workload(w: Work, backend, bw, peers=True):
                      "copy_us": same_bytes_copy_us(w, rotary_only=True)})
 
 
-def sweep(w: Work, backend_cls, bw, configs):
+def sweep(w: Work, backend_cls, bw, configs, inplace=False):
     """Time a few (BLOCK_T, BLOCK_H, num_warps) choices for one workload."""
     orig = tb._pick_blocks
     out = []
@@ -409,10 +410,10 @@ def sweep(w: Work, backend_cls, bw, configs):
         for cfg in configs:
             tb._pick_blocks = lambda *a, cfg=cfg: cfg
             be = backend_cls()
-            fns = [lambda i=i: be.run(w.args(i)) for i in range(len(w.sets))]
+            fns = [lambda i=i: be.run(w.args(i, inplace=inplace)) for i in range(len(w.sets))]
             try:
                 us = graph_time_us(fns, iters=3)
-                out.append((cfg, us, w.io_bytes() / (us * 1e-6) / bw * 100))
+                out.append((cfg, us, w.io_bytes(inplace) / (us * 1e-6) / bw * 100))
             except Exception as e:
                 out.append((cfg, float("nan"), f"{type(e).__name__}"))
     finally:
@@ -445,10 +446,11 @@ def main():
     pytest_proc = None
     if not opts.no_pytest and dev == "cuda":
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        pytest_log = tempfile.TemporaryFile(mode="w+")
         pytest_proc = subprocess.Popen(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:rope_ops", "-p", "no:cacheprovider",
              str(ROOT / "tests/test_triton_backend.py")],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            cwd=ROOT, env=env, stdout=pytest_log, stderr=subprocess.STDOUT, text=True)
     works = {}
     for spec in workloads(tiny):
         name = spec[0]
@@ -502,16 +504,18 @@ def main():
             (1, 32, 4), (1, 32, 8), (2, 8, 4), (4, 8, 4), (4, 8, 8), (8, 8, 8), (2, 16, 4),
             (4, 16, 8)])
     if not opts.no_sweep and time.time() - T0 < 190:
-        sweeps["W3"] = sweep(works["W3"], tb.TritonBackend, bw, [
-            (1, 16, 4), (2, 16, 4), (4, 16, 4), (4, 16, 8), (8, 8, 4)])
+        sweeps["W3 in place"] = sweep(works["W3"], tb.TritonBackend, bw, [
+            (1, 16, 4), (2, 16, 4), (4, 16, 4), (4, 16, 8), (8, 16, 8), (8, 8, 4)], inplace=True)
 
     if pytest_proc is not None:
         try:
-            out, _ = pytest_proc.communicate(timeout=max(10, 225 - (time.time() - T0)))
+            pytest_proc.wait(timeout=max(10, 225 - (time.time() - T0)))
         except subprocess.TimeoutExpired:
             pytest_proc.kill()
-            out, _ = pytest_proc.communicate()
+            pytest_proc.wait()
             FAILURES.append("pytest tests/test_triton_backend.py timed out")
+        pytest_log.seek(0)
+        out = pytest_log.read()
         tail = out.strip().splitlines()[-3:]
         log("pytest tests/test_triton_backend.py (cuda):", " | ".join(tail))
         if pytest_proc.returncode != 0:
@@ -535,8 +539,9 @@ def main():
     for k_, v in host.items():
         print(f"   {k_:36s} {v if isinstance(v, str) else f'{v:.2f} us'}")
     for name, res in sweeps.items():
-        print(f"sweep {name} (BLOCK_T, BLOCK_H, num_warps) -> us, % copy; default "
-              f"{tb._pick_blocks(works[name].B * works[name].S, works[name].hq, works[name].hk, works[name].D, works[name].R, True)}:")
+        w = works[name.split()[0]]
+        default = tb._pick_blocks(w.B * w.S, w.hq, w.hk, w.D, w.R, "in place" not in name)
+        print(f"sweep {name} (BLOCK_T, BLOCK_H, num_warps) -> us, % copy; default {default}:")
         for cfg, us, pct in res:
             print(f"   {cfg}: {us:.2f} us  {pct if isinstance(pct, str) else f'{pct:.1f}%'}")
     print(f"total {time.time() - T0:.0f} s")
