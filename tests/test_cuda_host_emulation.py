@@ -71,7 +71,7 @@ def canon(t: torch.Tensor, layout: str):
             (t.stride(b), t.stride(s), t.stride(h), t.stride(d)))
 
 
-def params(args=None, *, q, k, q_out, k_out, layout, rotary_dim, interleaved, inplace,
+def params(*, q, k, q_out, k_out, layout, rotary_dim, interleaved, inplace,
            cos, sin=None, pos=None, pos_offset=0, freq_turns=None, attention_factor=1.0,
            inverse=False) -> RopeParams:
     p = RopeParams()
