@@ -14,14 +14,13 @@ import importlib.util
 import shutil
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
 
 from rope_ops._reference import rope_reference
-from rope_ops.backend import KernelArgs, bshd_view
+from rope_ops.backend import KernelArgs
 from rope_ops.frequencies import compute_inv_freq, cos_sin_table, freq_turns_of
 from rope_ops_backends import ascend_backend as ab
 from rope_ops_backends.ascend_backend import limits
@@ -32,74 +31,14 @@ _LOW = {torch.bfloat16: (-126, 7), torch.float16: (-14, 10)}
 
 
 # ------------------------------------------------------------------------------ fakes
-class Refused(RuntimeError):
-    pass
-
-
-def _fake_rotary_mul(calls):
-    def npu_rotary_mul(x, r1, r2, rotary_mode="half", rotate=None):
-        """Documented semantics: out = x*r1 + rotate(x)*r2; r1/r2 cast to x's dtype; refuses
-        shapes outside the documented A2/A3 limits with a 561002-like error."""
-        calls.append({"x": tuple(x.shape), "x_dtype": x.dtype, "cos": tuple(r1.shape), "mode": rotary_mode,
-                      "r1": r1.clone(), "r2": r2.clone(), "rotate": rotate})
-        if x.dim() not in (3, 4) or x.dtype not in DTYPES:
-            raise Refused("161002 bad input")
-        d = x.shape[-1]
-        if d % 2 or d >= 896:
-            raise Refused("561002 D")
-        lead = [n for n in r1.shape[:-1] if n != 1]
-        if rotary_mode == "interleave":
-            if len(lead) > 1:
-                raise Refused("561002 interleave: cos must be S-only")
-            b, n = (x.shape[0], x.shape[2]) if r1.shape[1] != 1 else (x.shape[0], x.shape[1])
-            if b * n >= 1000:
-                raise Refused("561002 interleave B*N")
-            rot = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
-        elif rotary_mode == "half":
-            if x.shape[0] >= 1000 or x.shape[2] >= 1000 or x.shape[1] >= 1000 and r1.shape[1] == 1:
-                raise Refused("561002 half B,N")
-            x1, x2 = x.chunk(2, dim=-1)
-            rot = torch.cat((-x2, x1), dim=-1)
-        else:
-            raise Refused("bad mode")
-        torch.broadcast_shapes(r1.shape, x.shape)
-        r1, r2 = r1.to(x.dtype), r2.to(x.dtype)
-        return x * r1 + rot * r2
-
-    return npu_rotary_mul
-
-
-class FakeNpuDevice:
-    """The bits of ``torch.npu`` the backend uses."""
-
-    def __init__(self, count=1, name="Ascend910B2", cores=40):
-        self.count, self.name, self.cores = count, name, cores
-
-    def is_available(self):
-        return self.count > 0
-
-    def device_count(self):
-        return self.count
-
-    def current_device(self):
-        return 0
-
-    def get_device_name(self, i=0):
-        return self.name
-
-    def get_device_properties(self, i=0):
-        return types.SimpleNamespace(vector_core_num=self.cores, name=self.name)
+from rope_ops_backends.ascend_backend.fakes import Refused, install_fake_torch_npu  # noqa: E402
 
 
 @pytest.fixture
 def fake_npu(monkeypatch):
     """Install a fake torch_npu (with npu_rotary_mul) and torch.npu; yields (backend, calls)."""
     calls = []
-    mod = types.ModuleType("torch_npu")
-    mod.npu_rotary_mul = _fake_rotary_mul(calls)
-    monkeypatch.setitem(sys.modules, "torch_npu", mod)
-    dev = FakeNpuDevice()
-    monkeypatch.setattr(torch, "npu", dev, raising=False)
+    dev = install_fake_torch_npu(monkeypatch, calls)
     for var in ("ROPE_OPS_ASCEND_TIERS", "ROPE_OPS_ASCEND_LIB", "ROPE_OPS_ASCEND_UB_SIZE", "ROPE_OPS_ASCEND_CORES"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(ab, "library_candidates", lambda: [Path("/nonexistent/librope_ops_ascend.so")])
@@ -409,31 +348,11 @@ def test_torch_tier_matches_reference(fake_npu, monkeypatch, layout):
 def sim_kernels(fake_npu):
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
-    from rope_ops_backends.ascend_backend import _kernel_call as kc
-    from rope_ops_backends.ascend_backend import tiling as tl
-
-    spec = importlib.util.spec_from_file_location("rope_sim", ROOT / "ascend_kernels" / "cpu_sim" / "rope_sim.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    sim = mod.Sim(mod.build_cached())
-    launched = []
-
-    def make_op(inverse):
-        def op(q, k, q_out, k_out, pos, pos_offset, cos, sin, freq, attn, rotary_dim, interleaved, inplace,
-               ub_size, core_num):
-            """What rope_host.cpp does: tiling from the tensors, then launch on every core."""
-            v = kc.KernelViews(q, k, q_out, k_out, pos, pos_offset, cos, sin, freq, attn, rotary_dim,
-                               interleaved, inplace)
-            status, t = sim.c_tiling(kc.tiling_params(v, inverse), tl.FIELDS, ub_size, core_num)
-            assert status == 0
-            launched.append((inverse, t))
-            if t["blockDim"]:
-                sim.launch(v, t, tl.pack(t), inverse)
-        return op
+    from rope_ops_backends.ascend_backend.fakes import use_sim_kernels
 
     b, calls = fake_npu
-    b._probe().kernel_ops = (make_op(False), make_op(True))
-    b._probe().kernel_status = "loaded (CPU simulation)"
+    launched = []
+    use_sim_kernels(b, launched=launched)
     return b, calls, launched
 
 
@@ -476,9 +395,7 @@ def test_kernel_tier_uses_device_core_count(sim_kernels):
 
 
 # ------------------------------------------------------------------------------ autograd through rope_ops
-class _CpuRoutedAscend(ab.AscendBackend):
-    """AscendBackend accepting CPU tensors, so rope_ops' selection and autograd can route to it."""
-    device_types = frozenset({"cpu"})
+from rope_ops_backends.ascend_backend.fakes import CpuRoutedAscendBackend as _CpuRoutedAscend  # noqa: E402
 
 
 @pytest.mark.parametrize("tier", ["npu_rotary_mul", "torch"])
