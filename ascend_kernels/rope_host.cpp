@@ -8,10 +8,14 @@
 // The tiling is computed here by compute_rope_tiling (rope_tiling.h), from the tensors' sizes and
 // strides, the unified-buffer size and the vector core count given by the caller at run time;
 // backends/ascend_backend/tiling.py mirrors it (tests check both agree). The struct goes to the
-// device through torch (so it is ordered by torch_npu's task queue) and the kernel launch itself
+// device through torch (ordered by torch_npu's task queue; cached per struct, device and stream)
+// and the kernel launch itself
 // is enqueued with at_npu::native::OpCommand's custom handler, so it runs after every torch op
 // issued before it on the current stream and before every op issued after it.
 #include <cstring>
+#include <mutex>
+#include <string>
+#include <unordered_map>
 
 #include <ATen/ATen.h>
 #include <ATen/DeviceGuard.h>
@@ -50,6 +54,26 @@ LaunchFn pick_launcher(at::ScalarType dtype, bool inverse) {
         default:
             TORCH_CHECK(false, "rope_ops_ascend: dtype ", dtype, " not supported (float32, float16, bfloat16)");
     }
+}
+
+// Device copies of tiling structs, by (device, stream, struct bytes): a shape seen before needs no
+// host-to-device copy at all (the copy for a new one is a blocking torch copy on the current
+// stream, so the struct is in place before the kernel that reads it). Never modified once made.
+at::Tensor device_tiling(const RopeTiling& t, const at::Device& device) {
+    static std::mutex mu;
+    static std::unordered_map<std::string, at::Tensor> cache;
+    auto stream = c10_npu::getCurrentNPUStream(device.index());
+    std::string key(reinterpret_cast<const char*>(&t), sizeof(t));
+    key += "|" + std::to_string(device.index()) + "|" + std::to_string(stream.id());
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+    if (cache.size() >= 1024) cache.clear();
+    at::Tensor cpu = at::empty({ROPE_TILING_FIELDS}, at::TensorOptions().dtype(at::kLong));
+    std::memcpy(cpu.data_ptr(), &t, sizeof(t));
+    at::Tensor dev = cpu.to(device);
+    cache.emplace(key, dev);
+    return dev;
 }
 
 void* ptr_or_null(const c10::optional<at::Tensor>& t) {
@@ -150,10 +174,7 @@ void rope_npu(const at::Tensor& q, const c10::optional<at::Tensor>& k, const at:
                 "; see rope_tiling.h)");
     if (t.blockDim == 0) return;  // no tokens
 
-    // The tiling struct, on the device: a host->device copy through torch, ordered in the queue.
-    at::Tensor tiling_cpu = at::empty({ROPE_TILING_FIELDS}, at::TensorOptions().dtype(at::kLong));
-    std::memcpy(tiling_cpu.data_ptr(), &t, sizeof(t));
-    at::Tensor tiling_dev = tiling_cpu.to(q.device());
+    at::Tensor tiling_dev = device_tiling(t, q.device());
 
     LaunchFn launch = pick_launcher(q.scalar_type(), inverse);
     void* stream = c10_npu::getCurrentNPUStream().stream(false);
