@@ -1,0 +1,75 @@
+"""Host cost per call of each way into the op (W2 decode shapes), to justify the eager path.
+
+    python tools/host_cost.py [--device cuda] [--backend cuda]
+
+Rows: the backend's run() alone; rope_ops.apply eager (what users call); the same call through
+the dispatcher (torch.ops.rope_ops.rope, as torch.compile would); apply with autograd recording
+(forward only); apply forward+backward. Wall time per call over a plain loop, synchronised once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import rope_ops
+from rope_ops import registry
+from rope_ops.backend import KernelArgs
+
+
+def per_call(fn, device, n=None) -> float:
+    n = n or (2000 if device.type == "cuda" else 50)
+    for _ in range(50):
+        fn()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    best = float("inf")
+    for _ in range(3):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--backend", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.randn(256, 32, 128, device=device, dtype=dtype)
+    k = torch.randn(256, 8, 128, device=device, dtype=dtype)
+    pos = torch.randint(0, 32768, (256,), device=device)
+    rope = rope_ops.RotaryEmbedding(128, base=500000.0, max_position=131072, device=device)
+    name = args.backend or rope_ops.select_backend(q, k, pos, rope=rope)
+    backend = registry.get(name)
+    cos, sin, turns = rope.tables(device)
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    kernel_args = KernelArgs(q, k, q_out, k_out, pos, 0, cos, sin, turns, rope.attention_factor, "thd",
+                             128, False, False, False)
+    qg, kg = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+
+    def fwd_bwd():
+        a, b = rope_ops.apply(qg, kg, pos, rope=rope, backend=name)
+        torch.autograd.backward((a, b), (q, k))
+
+    rows = {
+        "backend.run() alone (outputs preallocated)": lambda: backend.run(kernel_args),
+        "rope_ops.apply eager": lambda: rope_ops.apply(q, k, pos, rope=rope, backend=name),
+        "torch.ops.rope_ops.rope (dispatcher path)": lambda: torch.ops.rope_ops.rope(
+            q, k, pos, 0, None, None, rope.key, "thd", 128, False, False, name),
+        "rope_ops.apply recording autograd (forward)": lambda: rope_ops.apply(qg, kg, pos, rope=rope, backend=name),
+        "rope_ops.apply forward + backward": fwd_bwd,
+    }
+    print(f"host cost per call, W2 shapes, backend {name}, device {device}, torch {torch.__version__}")
+    for label, fn in rows.items():
+        print(f"  {label:48s} {per_call(fn, device):8.1f} us")
+
+
+if __name__ == "__main__":
+    main()
