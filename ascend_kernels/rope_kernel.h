@@ -217,22 +217,57 @@ private:
         csQueue_.FreeTensor(cs);
     }
 
+    // `len` rows of `elems` elements, `stride` elements apart in GM, into consecutive UB rows of
+    // `padElems` (32-byte multiple). Whole 32-byte blocks everywhere: DataCopy with block strides;
+    // otherwise DataCopyPad (each row padded to 32 bytes in UB).
+    __aicore__ inline void CopyRowsIn(const LocalTensor<T>& dst, const GlobalTensor<T>& src, int64_t len,
+                                      int64_t elems, int64_t stride, int64_t padElems)
+    {
+        const int64_t rowBytes = elems * (int64_t)sizeof(T);
+        const int64_t gapBytes = len > 1 ? (stride - elems) * (int64_t)sizeof(T) : 0;
+        if (rowBytes % ROPE_BLOCK_BYTES == 0 && gapBytes % ROPE_BLOCK_BYTES == 0 && padElems == elems &&
+            rowBytes / ROPE_BLOCK_BYTES <= 65535 && gapBytes / ROPE_BLOCK_BYTES <= 65535 &&
+            ((uint64_t)src.GetPhyAddr()) % ROPE_BLOCK_BYTES == 0) {
+            DataCopyParams p{(uint16_t)len, (uint16_t)(rowBytes / ROPE_BLOCK_BYTES),
+                             (uint16_t)(gapBytes / ROPE_BLOCK_BYTES), 0};
+            DataCopy(dst, src, p);
+        } else {
+            DataCopyExtParams p{(uint16_t)len, (uint32_t)rowBytes, (uint32_t)gapBytes, 0, 0};
+            DataCopyPadExtParams<T> noPad{};  // isPad = false: pad bytes are never stored
+            DataCopyPad(dst, src, p, noPad);
+        }
+    }
+
+    // The first `elems` elements of `len` UB rows of `padElems` to GM rows `stride` elements apart.
+    __aicore__ inline void CopyRowsOut(const GlobalTensor<T>& dst, const LocalTensor<T>& src, int64_t len,
+                                       int64_t elems, int64_t stride, int64_t padElems)
+    {
+        const int64_t rowBytes = elems * (int64_t)sizeof(T);
+        const int64_t gapBytes = len > 1 ? (stride - elems) * (int64_t)sizeof(T) : 0;
+        if (rowBytes % ROPE_BLOCK_BYTES == 0 && gapBytes % ROPE_BLOCK_BYTES == 0 && padElems == elems &&
+            rowBytes / ROPE_BLOCK_BYTES <= 65535 && gapBytes / ROPE_BLOCK_BYTES <= 65535 &&
+            ((uint64_t)dst.GetPhyAddr()) % ROPE_BLOCK_BYTES == 0) {
+            DataCopyParams p{(uint16_t)len, (uint16_t)(rowBytes / ROPE_BLOCK_BYTES), 0,
+                             (uint16_t)(gapBytes / ROPE_BLOCK_BYTES)};
+            DataCopy(dst, src, p);
+        } else {
+            DataCopyExtParams p{(uint16_t)len, (uint32_t)rowBytes, 0, (uint32_t)gapBytes, 0};
+            DataCopyPad(dst, src, p);
+        }
+    }
+
     // Rotary dims [0, r) of head h of tokens row0 .. row0+n-1 (and the pass-through tail).
     __aicore__ inline void RotateHead(GlobalTensor<T>& in, GlobalTensor<T>& out, int64_t sb,
                                       int64_t ss, int64_t sh, int64_t osb, int64_t oss, int64_t osh,
                                       int64_t h, int64_t row0, int64_t n)
     {
-        DataCopyPadExtParams<T> noPad{};  // isPad = false: pad bytes are never used
-        const uint32_t rotBytes = (uint32_t)(tl_.rotaryDim * sizeof(T));
-        // Copy in: one strided DataCopyPad per run of rows inside one batch entry. Each row is
-        // padded to rotPad elements (32 bytes) in UB.
+        // Copy in: one strided copy per run of rows inside one batch entry. Each row is padded
+        // to rotPad elements (32 bytes) in UB.
         LocalTensor<T> x = inQueue_.AllocTensor<T>();
         for (int64_t row = row0; row < row0 + n;) {
             int64_t b = row / tl_.seq, s = row - b * tl_.seq;
             int64_t len = tl_.seq - s < row0 + n - row ? tl_.seq - s : row0 + n - row;
-            uint32_t gap = len > 1 ? (uint32_t)((ss - tl_.rotaryDim) * sizeof(T)) : 0;
-            DataCopyExtParams p{(uint16_t)len, rotBytes, gap, 0, 0};
-            DataCopyPad(x[(row - row0) * tl_.rotPad], in[b * sb + s * ss + h * sh], p, noPad);
+            CopyRowsIn(x[(row - row0) * tl_.rotPad], in[b * sb + s * ss + h * sh], len, tl_.rotaryDim, ss, tl_.rotPad);
             row += len;
         }
         inQueue_.EnQue(x);
@@ -272,9 +307,8 @@ private:
         for (int64_t row = row0; row < row0 + n;) {
             int64_t b = row / tl_.seq, s = row - b * tl_.seq;
             int64_t len = tl_.seq - s < row0 + n - row ? tl_.seq - s : row0 + n - row;
-            uint32_t gap = len > 1 ? (uint32_t)((oss - tl_.rotaryDim) * sizeof(T)) : 0;
-            DataCopyExtParams p{(uint16_t)len, rotBytes, 0, gap, 0};
-            DataCopyPad(out[b * osb + s * oss + h * osh], y[(row - row0) * tl_.rotPad], p);
+            CopyRowsOut(out[b * osb + s * oss + h * osh], y[(row - row0) * tl_.rotPad], len, tl_.rotaryDim, oss,
+                        tl_.rotPad);
             row += len;
         }
         outQueue_.FreeTensor(y);
@@ -285,15 +319,12 @@ private:
                                     int64_t sh, int64_t osb, int64_t oss, int64_t osh, int64_t h,
                                     int64_t row0, int64_t n)
     {
-        DataCopyPadExtParams<T> noPad{};  // isPad = false: pad bytes are never used
-        const uint32_t tailBytes = (uint32_t)(tl_.tailDim * sizeof(T));
         LocalTensor<T> t = tailQueue_.AllocTensor<T>();
         for (int64_t row = row0; row < row0 + n;) {
             int64_t b = row / tl_.seq, s = row - b * tl_.seq;
             int64_t len = tl_.seq - s < row0 + n - row ? tl_.seq - s : row0 + n - row;
-            uint32_t gap = len > 1 ? (uint32_t)((ss - tl_.tailDim) * sizeof(T)) : 0;
-            DataCopyExtParams p{(uint16_t)len, tailBytes, gap, 0, 0};
-            DataCopyPad(t[(row - row0) * tl_.tailPad], in[b * sb + s * ss + h * sh + tl_.rotaryDim], p, noPad);
+            CopyRowsIn(t[(row - row0) * tl_.tailPad], in[b * sb + s * ss + h * sh + tl_.rotaryDim], len, tl_.tailDim,
+                       ss, tl_.tailPad);
             row += len;
         }
         tailQueue_.EnQue(t);
@@ -301,9 +332,8 @@ private:
         for (int64_t row = row0; row < row0 + n;) {
             int64_t b = row / tl_.seq, s = row - b * tl_.seq;
             int64_t len = tl_.seq - s < row0 + n - row ? tl_.seq - s : row0 + n - row;
-            uint32_t gap = len > 1 ? (uint32_t)((oss - tl_.tailDim) * sizeof(T)) : 0;
-            DataCopyExtParams p{(uint16_t)len, tailBytes, 0, gap, 0};
-            DataCopyPad(out[b * osb + s * oss + h * osh + tl_.rotaryDim], t[(row - row0) * tl_.tailPad], p);
+            CopyRowsOut(out[b * osb + s * oss + h * osh + tl_.rotaryDim], t[(row - row0) * tl_.tailPad], len,
+                        tl_.tailDim, oss, tl_.tailPad);
             row += len;
         }
         tailQueue_.FreeTensor(t);

@@ -301,3 +301,33 @@ def test_random_cases(sim, case):
         run_case(sim, **case)
     except tl.TilingError as e:
         assert e.status == tl.UB_TOO_SMALL and case["ub"] < 196608
+
+
+def test_aligned_rows_use_datacopy_unaligned_use_datacopypad(sim):
+    # fp16, D = r = 64: rows of 128 bytes, gaps of whole blocks -> DataCopy with block strides.
+    stats, _ = run_case(sim, dtype=torch.float16, D=64, Hk=0, pos="int64")
+    assert stats["datacopy_calls"] > 0
+    pads_aligned = stats["datacopypad_calls"]
+    # Only the cos/sin row copies (2 per in-table token) use DataCopyPad then.
+    assert pads_aligned <= 2 * 2 * 7
+    # fp16, D = 14, r = 10: 20-byte rows -> DataCopyPad only.
+    stats, _ = run_case(sim, dtype=torch.float16, D=14, r=10, Hk=0, pos="int64")
+    assert stats["datacopy_calls"] == 0 and stats["datacopypad_calls"] > pads_aligned
+    # Whole-block rows and gaps, but the tensor starts 2 bytes into its storage: the kernel checks
+    # the GM address and takes DataCopyPad (the emulator rejects unaligned DataCopy).
+    B, S, H, D = 2, 5, 2, 32
+    flat = torch.randn(B * S * H * D + 1).to(torch.float16)
+    q = flat[1:].view(B, S, H, D)
+    q0 = q.clone()
+    inv = _inv_freq(D)
+    cos, sin = cos_sin_table(inv, 1.0, 16)
+    out = torch.empty_like(q)
+    args = KernelArgs(q=q, k=None, q_out=out, k_out=None, pos=None, pos_offset=2, cos=cos.clone(), sin=sin.clone(),
+                      freq_turns=freq_turns_of(inv), attention_factor=1.0, layout="bshd", rotary_dim=D,
+                      interleaved=False, inverse=False, inplace=False)
+    views = kc.kernel_views(args)
+    t = tl.compute_tiling(kc.tiling_params(views, False), 196608, 3)
+    stats = sim.launch(views, t, tl.pack(t), False)
+    assert stats["datacopypad_calls"] > 0 and stats["datacopy_calls"] > 0  # in: Pad; out (aligned): DataCopy
+    ref = rope_reference(q0, 2, layout="bshd", rotary_dim=D, style="neox", inv_freq=inv)
+    assert bool(((out.double() - ref).abs() <= _allowed(q0, ref, torch.float16, D, "neox")).all())

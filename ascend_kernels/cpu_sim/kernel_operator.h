@@ -9,7 +9,8 @@
 //     uninitialised lanes that leak into outputs show up; TPipe::InitBuffer fails past the UB size;
 //     every LocalTensor access is bounds-checked against its buffer; vector operands and DataCopy
 //     UB addresses must be 32-byte aligned.
-//   * DataCopy: length must be a multiple of 32 bytes (the hardware would round it down).
+//   * DataCopy: length must be a multiple of 32 bytes (the hardware would round it down); with
+//     DataCopyParams (lengths and strides in 32-byte blocks) the GM address must be 32-byte aligned.
 //   * DataCopyPad: blockCount <= 4095, blockLen <= 2097151 and a multiple of sizeof(T); each block
 //     lands 32-byte padded in UB (pad bytes 0xFF unless isPad); GM-side strides in bytes, UB-side
 //     strides in 32-byte blocks; only blockLen bytes per block reach GM on copy-out.
@@ -74,7 +75,7 @@ struct State {
     size_t ubUsed = 0;
     size_t ubPeak = 0;
     int64_t blockIdx = 0, blockNum = 1;
-    int64_t dataCopyPadCalls = 0, vectorCalls = 0, scalarUbWrites = 0;
+    int64_t dataCopyPadCalls = 0, dataCopyCalls = 0, vectorCalls = 0, scalarUbWrites = 0;
     void* pipe = nullptr;
 };
 
@@ -285,6 +286,15 @@ struct DataCopyExtParams {
     uint32_t rsv = 0;
 };
 
+// DataCopy with block strides: all fields in 32-byte blocks (blockLen: the length of one block;
+// strides: the gap between blocks, GM side and UB side).
+struct DataCopyParams {
+    uint16_t blockCount = 1;
+    uint16_t blockLen = 0;
+    uint16_t srcStride = 0;
+    uint16_t dstStride = 0;
+};
+
 template <typename T> struct DataCopyPadExtParams {
     bool isPad = false;
     uint8_t leftPadding = 0;
@@ -296,6 +306,7 @@ template <typename T> inline void DataCopy(const LocalTensor<T>& dst, const Glob
     dst.check_aligned("DataCopy");
     size_t bytes = (size_t)count * sizeof(T);
     if (bytes % 32 != 0) rope_sim::fail("DataCopy: length not a multiple of 32 bytes (use DataCopyPad)");
+    ++rope_sim::st().dataCopyCalls;
     rope_sim::gm_read(src.GetPhyAddr(), bytes, "DataCopy GM->UB");
     std::memcpy(dst.bytes(0, bytes), src.GetPhyAddr(), bytes);
 }
@@ -304,8 +315,38 @@ template <typename T> inline void DataCopy(const GlobalTensor<T>& dst, const Loc
     src.check_aligned("DataCopy");
     size_t bytes = (size_t)count * sizeof(T);
     if (bytes % 32 != 0) rope_sim::fail("DataCopy: length not a multiple of 32 bytes (use DataCopyPad)");
+    ++rope_sim::st().dataCopyCalls;
     rope_sim::gm_write(dst.GetPhyAddr(), bytes, "DataCopy UB->GM");
     std::memcpy(dst.GetPhyAddr(), src.bytes(0, bytes), bytes);
+}
+
+// GM addresses of DataCopy are required to be 32-byte aligned here (stricter than may be needed).
+template <typename T>
+inline void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const DataCopyParams& p) {
+    dst.check_aligned("DataCopy(params) GM->UB");
+    if ((uintptr_t)src.GetPhyAddr() % 32 != 0) rope_sim::fail("DataCopy(params): GM address not 32-byte aligned");
+    ++rope_sim::st().dataCopyCalls;
+    const uint8_t* g = reinterpret_cast<const uint8_t*>(src.GetPhyAddr());
+    size_t len = (size_t)p.blockLen * 32;
+    for (uint32_t i = 0; i < p.blockCount; ++i) {
+        const uint8_t* from = g + (size_t)i * (len + (size_t)p.srcStride * 32);
+        rope_sim::gm_read(from, len, "DataCopy(params) GM->UB");
+        std::memcpy(dst.bytes((int64_t)i * (len + (size_t)p.dstStride * 32), len), from, len);
+    }
+}
+
+template <typename T>
+inline void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const DataCopyParams& p) {
+    src.check_aligned("DataCopy(params) UB->GM");
+    if ((uintptr_t)dst.GetPhyAddr() % 32 != 0) rope_sim::fail("DataCopy(params): GM address not 32-byte aligned");
+    ++rope_sim::st().dataCopyCalls;
+    uint8_t* g = reinterpret_cast<uint8_t*>(dst.GetPhyAddr());
+    size_t len = (size_t)p.blockLen * 32;
+    for (uint32_t i = 0; i < p.blockCount; ++i) {
+        uint8_t* to = g + (size_t)i * (len + (size_t)p.dstStride * 32);
+        rope_sim::gm_write(to, len, "DataCopy(params) UB->GM");
+        std::memcpy(to, src.bytes((int64_t)i * (len + (size_t)p.srcStride * 32), len), len);
+    }
 }
 
 inline void check_pad_params(const DataCopyExtParams& p, size_t elem) {

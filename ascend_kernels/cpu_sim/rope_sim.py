@@ -120,5 +120,5 @@ class Sim:
             return (0, 0) if t is None or not t.untyped_storage().nbytes() else by_ptr[t.untyped_storage().data_ptr()]
 
         return {"ub_peak": stats[0], "datacopypad_calls": stats[1], "vector_calls": stats[2],
-                "scalar_ub_writes": stats[3], "cos_io": io(views.cos), "sin_io": io(views.sin),
+                "scalar_ub_writes": stats[3], "datacopy_calls": stats[4], "cos_io": io(views.cos), "sin_io": io(views.sin),
                 "q_io": io(views.q), "q_out_io": io(views.q_out)}

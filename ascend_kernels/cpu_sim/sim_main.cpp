@@ -26,6 +26,7 @@ int rope_sim_sincos(int32_t top, float m, float* c, float* s) { rope_sincos_turn
 // dtype: 0 fp32, 1 fp16, 2 bf16. args: q, k, qOut, kOut, pos, cos, sin, freq, tiling (device
 // pointers, some null). regions: nRegions (pointer, bytes) pairs, the only memory the kernel may
 // touch. stats out (8 int64): peak UB bytes, DataCopyPad calls, vector calls, scalar UB writes,
+// DataCopy calls,
 // then per-region read/write bytes are written to regionStats (2 per region).
 int rope_sim_launch(int dtype, int grad, void** args, int64_t numBlocks, int64_t ubSize, void** regions,
                     const int64_t* regionBytes, int nRegions, int64_t* stats, int64_t* regionStats,
@@ -38,7 +39,7 @@ int rope_sim_launch(int dtype, int grad, void** args, int64_t numBlocks, int64_t
     s.regions.clear();
     for (int i = 0; i < nRegions; ++i)
         s.regions.push_back({(uintptr_t)regions[i], (uintptr_t)regions[i] + (uintptr_t)regionBytes[i], 0, 0});
-    s.ubPeak = 0; s.dataCopyPadCalls = 0; s.vectorCalls = 0; s.scalarUbWrites = 0;
+    s.ubPeak = 0; s.dataCopyPadCalls = 0; s.dataCopyCalls = 0; s.vectorCalls = 0; s.scalarUbWrites = 0;
     try {
         for (int64_t b = 0; b < numBlocks; ++b) {
             rope_sim::reset_core(b, numBlocks, (size_t)ubSize);
@@ -51,6 +52,7 @@ int rope_sim_launch(int dtype, int grad, void** args, int64_t numBlocks, int64_t
         return 1;
     }
     stats[0] = (int64_t)s.ubPeak; stats[1] = s.dataCopyPadCalls; stats[2] = s.vectorCalls; stats[3] = s.scalarUbWrites;
+    stats[4] = s.dataCopyCalls;
     for (int i = 0; i < nRegions; ++i) { regionStats[2 * i] = s.regions[i].readBytes; regionStats[2 * i + 1] = s.regions[i].writeBytes; }
     return 0;
 }
