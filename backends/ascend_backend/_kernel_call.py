@@ -89,6 +89,8 @@ def kernel_reasons(v: KernelViews, inverse: bool, ub_size: int, core_num: int) -
         reasons.append(f"kernels: positions dtype {v.pos.dtype}")
     if not v.cos.is_contiguous() or not v.sin.is_contiguous():
         reasons.append("kernels: cos/sin tables must be contiguous")
+    if v.freq_turns is not None and (v.freq_turns.dtype != torch.int64 or not v.freq_turns.is_contiguous()):
+        reasons.append("kernels: freq_turns must be contiguous int64")
     if reasons:
         return reasons
     try:
