@@ -333,3 +333,25 @@ def test_aligned_rows_use_datacopy_unaligned_use_datacopypad(sim):
     assert stats["datacopypad_calls"] > 0 and stats["datacopy_calls"] > 0  # in: Pad; out (aligned): DataCopy
     ref = rope_reference(q0, 2, layout="bshd", rotary_dim=D, style="neox", inv_freq=inv)
     assert bool(((out.double() - ref).abs() <= _allowed(q0, ref, torch.float16, D, "neox")).all())
+
+
+def test_kernel_source_lint():
+    """Static checks on the device code the emulator cannot make (it runs pipes in order)."""
+    import re
+
+    src = (ROOT / "ascend_kernels" / "rope_kernel.h").read_text()
+    code = re.sub(r"//[^\n]*", "", src)
+    # Every SetFlag has its WaitFlag for the same event kind.
+    sets = re.findall(r"SetFlag<HardEvent::(\w+)>", code)
+    waits = re.findall(r"WaitFlag<HardEvent::(\w+)>", code)
+    assert sorted(sets) == sorted(waits) and sets
+    # Every queue that allocates also enqueues, dequeues and frees.
+    for queue in set(re.findall(r"(\w+Queue_)\.AllocTensor", code)):
+        for call in ("AllocTensor", "EnQue", "DeQue", "FreeTensor"):
+            assert f"{queue}.{call}" in code, (queue, call)
+    # Scalar writes into UB are followed by an S_V barrier before vector use.
+    assert "HardEvent::S_V" in code and "HardEvent::V_S" in code
+    # No plain DataCopy with an element count (only block-param DataCopy or DataCopyPad).
+    assert not re.search(r"DataCopy\([^;]*,\s*[a-z]\w*Count\)", code)
+    # Every InitBuffer size is one of the terms rope_row_bytes() counts.
+    assert code.count("pipe_.InitBuffer(") == 12
