@@ -297,6 +297,14 @@ def test_tiers_env(fake_npu, monkeypatch):
     check_outputs(args, ref_kw, inputs)
 
 
+def test_tiers_env_without_torch_fails_loudly(fake_npu, monkeypatch):
+    b, calls = fake_npu
+    monkeypatch.setenv("ROPE_OPS_ASCEND_TIERS", "npu_rotary_mul")
+    args, _, _ = make_args(D=896)  # outside npu_rotary_mul's limits
+    with pytest.raises(RuntimeError, match="no tier allowed"):
+        b.run(args)
+
+
 def test_zero_tokens(fake_npu):
     b, calls = fake_npu
     args, _, _ = make_args(S=0)

@@ -279,6 +279,9 @@ class AscendBackend(Backend):
             if plan is not None:
                 return "npu_rotary_mul", skipped, plan
             skipped["npu_rotary_mul"] = why
+        if not self._tier_allowed("torch"):
+            raise RuntimeError("rope_ops ascend backend: no tier allowed by ROPE_OPS_ASCEND_TIERS="
+                               f"{os.environ.get('ROPE_OPS_ASCEND_TIERS')!r} can take this call: {skipped}")
         return "torch", skipped, None
 
     def rotary_mul_plan(self, args: KernelArgs):
