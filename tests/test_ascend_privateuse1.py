@@ -12,6 +12,7 @@ tests/test_ascend_adapter.py runs AscendBackend.run and rope_ops.apply on CPU te
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -70,7 +71,8 @@ PRELUDE = textwrap.dedent('''
 
 def _run(body: str) -> str:
     code = PRELUDE + textwrap.dedent(body)
-    env = {"PATH": "/usr/bin:/bin", "ROPE_OPS_BACKEND": "auto", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROPE_OPS_")}
+    env.update(ROPE_OPS_BACKEND="auto", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
                          timeout=120)
     if out.returncode != 0 and "create_empty_tensor" in out.stderr and "has no attribute" in out.stderr:
