@@ -50,8 +50,51 @@ def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | Non
         inplace: write into q and k (only the rotary dims are touched) and return them.
         backend: force a backend (a name or a comma list); overrides ROPE_OPS_BACKEND.
     """
+    if cos_sin is None and scaling is None and not inplace and not torch.compiler.is_compiling():
+        # Fast path for repeated calls (decode steps): everything _apply derives from metadata
+        # is cached under the metadata it read. Calls that need autograd take the full path.
+        key = _plan_key(q, k, pos, rotary_dim, style, layout, base, rope, backend, max_position, seq_len)
+        try:
+            plan = None if key is None else _select.plans.get(key)
+        except TypeError:  # an unhashable argument: the full path will say what is wrong
+            key = None
+        if key is not None:
+            if plan is None:
+                plan = _plan(q, k, pos, rotary_dim, style, layout, base, rope, backend, max_position, seq_len)
+                if plan is not None:
+                    _select.remember_plan(key, plan)
+            if plan is not None:
+                selected, cos, sin, freq_turns, factor, layout, rotary_dim, interleaved = plan
+                return run_backend(selected, q, k, pos if key[4] is not int else None,
+                                   pos if key[4] is int else 0, cos, sin, freq_turns, factor, layout,
+                                   rotary_dim, interleaved, False, False)
     return _apply(q, k, pos, rotary_dim, style, layout, base, scaling, rope, cos_sin, inplace,
                   backend, max_position, seq_len, inverse=False)
+
+
+def _plan_key(q, k, pos, rotary_dim, style, layout, base, rope, backend, max_position, seq_len):
+    """The metadata an inference call's validation and selection read, or None (no fast path)."""
+    if type(q) is not torch.Tensor or (k is not None and type(k) is not torch.Tensor):
+        return None
+    if q.requires_grad or (k is not None and k.requires_grad):
+        return None  # autograd: full path
+    if rope is not None and type(rope) is not RotaryEmbedding:
+        return None
+    if type(pos) is int and -(2**62) < pos < 2**62:
+        pos_key = int
+    elif type(pos) is torch.Tensor:
+        pos_key = (pos.shape, pos.dtype, pos.device)
+    else:
+        return None
+    k_key = None if k is None else (k.shape, k.stride(), k.dtype, k.device)
+    return (q.shape, q.stride(), q.dtype, q.device, pos_key, k_key, rotary_dim, style, layout, base,
+            rope, max_position, seq_len, _select.current_request(backend))
+
+
+def _plan(q, k, pos, rotary_dim, style, layout, base, rope, backend, max_position, seq_len):
+    """Validate and select once, the full way; return what a repeat of this call needs."""
+    return _apply(q, k, pos, rotary_dim, style, layout, base, None, rope, None, False, backend,
+                  max_position, seq_len, inverse=False, select_only="plan")
 
 
 def apply_grad(grad_q: torch.Tensor, grad_k: torch.Tensor | None, pos, **kwargs):
@@ -143,11 +186,16 @@ def _apply(q, k, pos, rotary_dim, style, layout, base, scaling, rope, cos_sin, i
     if compiling:
         chosen = _select.select_name_constant(call, backend)
     else:
-        chosen = _select.select(call, backend).name
+        selected = _select.select(call, backend)
+        chosen = selected.name
+        if select_only == "plan":
+            if needs_grad:
+                return None
+            return (selected, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved)
         if select_only:
             return chosen
         if not needs_grad or inverse:  # the hot inference path: straight to the backend
-            return run_backend(chosen, q, k, pos_tensor, pos_offset, cos, sin, freq_turns,
+            return run_backend(selected, q, k, pos_tensor, pos_offset, cos, sin, freq_turns,
                                attention_factor, layout, rotary_dim, interleaved, inverse, inplace)
     if needs_grad and not inverse:
         return RopeFunction.apply(q, k, pos_tensor, pos_offset, cos, sin, freq_turns, attention_factor,

@@ -43,17 +43,23 @@ def _tables(q, cos, sin, rope_key):
 
 def run_backend(backend_name, q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout,
                 rotary_dim, interleaved, inverse, inplace):
-    """Allocate outputs (out of place) and run the backend. Returns (q_out, k_out)."""
+    """Run the backend (a name, or the object itself on the eager path), allocating outputs out
+    of place unless it does so itself. Returns (q_out, k_out)."""
+    backend = registry.get(backend_name) if isinstance(backend_name, str) else backend_name
     if inplace:
         q_out, k_out = q, k
+    elif backend.allocates_outputs:
+        q_out = k_out = None
     else:
         q_out = torch.empty_like(q)
         k_out = None if k is None else torch.empty_like(k)
-    if q.numel() or (k is not None and k.numel()):
-        registry.get(backend_name).run(KernelArgs(
-            q, k, q_out, k_out, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout,
-            rotary_dim, interleaved, inverse, inplace))
-    return q_out, k_out
+    if 0 in q.shape and (k is None or 0 in k.shape):
+        if q_out is None:
+            q_out, k_out = torch.empty_like(q), (None if k is None else torch.empty_like(k))
+        return q_out, k_out
+    made = backend.run(KernelArgs(q, k, q_out, k_out, pos, pos_offset, cos, sin, freq_turns,
+                                  attention_factor, layout, rotary_dim, interleaved, inverse, inplace))
+    return (q_out, k_out) if q_out is not None else made
 
 
 @torch.library.impl(_LIB, "rope", "CompositeExplicitAutograd")

@@ -30,8 +30,20 @@ _context_request: contextvars.ContextVar[str | None] = contextvars.ContextVar("r
 _cache: dict[tuple, Backend] = {}
 
 
+# Fast-path plans of rope_ops.apply, keyed by the metadata they were derived from (see _api).
+plans: dict[tuple, tuple] = {}
+_MAX_PLANS = 4096
+
+
+def remember_plan(key: tuple, plan: tuple) -> None:
+    if len(plans) >= _MAX_PLANS:  # bounded: keys hold shapes and RotaryEmbedding objects
+        plans.clear()
+    plans[key] = plan
+
+
 def clear_cache() -> None:
     _cache.clear()
+    plans.clear()
 
 
 @contextmanager

@@ -62,7 +62,7 @@ class KernelArgs(NamedTuple):
 
     q: torch.Tensor  # input, any strides
     k: torch.Tensor | None
-    q_out: torch.Tensor  # where to write; ``q`` itself when in place
+    q_out: torch.Tensor | None  # where to write; ``q`` itself when in place; None: see allocates_outputs
     k_out: torch.Tensor | None
     pos: torch.Tensor | None  # int32/int64 [B,S], [S] (shared by the batch) or [T] (thd); None: offset
     pos_offset: int  # when pos is None, token s has position pos_offset + s
@@ -99,6 +99,9 @@ class Backend:
     supports_inplace: ClassVar[bool] = True
     supports_caller_tables: ClassVar[bool] = True
     requires_last_dim_contiguous: ClassVar[bool] = False
+    # Out of place, a backend that allocates its own outputs (saving the Python-side allocation,
+    # ~1 us each) gets q_out = k_out = None and returns (q_out, k_out) from run().
+    allocates_outputs: ClassVar[bool] = False
 
     def availability(self) -> list[str]:
         """Why this backend cannot run in this process at all (missing SDK, no device...)."""
@@ -129,8 +132,9 @@ class Backend:
             reasons.append("needs stride 1 on head_dim")
         return reasons
 
-    def run(self, args: KernelArgs) -> None:
-        """Write the rotation of args.q (args.k) into args.q_out (args.k_out)."""
+    def run(self, args: KernelArgs):
+        """Write the rotation of args.q (args.k) into args.q_out (args.k_out) and return None;
+        or, when ``allocates_outputs`` and args.q_out is None, return new (q_out, k_out)."""
         raise NotImplementedError
 
     def describe(self) -> dict:

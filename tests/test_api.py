@@ -151,3 +151,20 @@ def test_bench_runs_on_cpu(tmp_path):
     ours = [r for r in results["rows"] if r["provider"] == "rope_ops:torch"]
     assert len(ours) == 2 and all(r["check"] == "ok" for r in ours)
     assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_fast_path_repeats_checks_that_depend_on_values():
+    """Repeated calls reuse a plan keyed by metadata; what depends on values is still checked."""
+    from rope_ops import _select
+
+    q = torch.randn(2, 3, 4, 16)
+    rope_ops.apply(q, None, 5)
+    assert any(key[0] == q.shape for key in _select.plans)
+    with pytest.raises(RopeError, match="offset"):
+        rope_ops.apply(q, None, 2**63)
+    out, _ = rope_ops.apply(q, None, 7)  # a different offset through the same plan is honoured
+    ref = rope_reference(q, 7, layout="bshd", rotary_dim=16, style="neox",
+                         inv_freq=rope_ops.RotaryEmbedding(16).inv_freq)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+    with pytest.raises(RopeError, match="pos"):
+        rope_ops.apply(q, None, torch.arange(3.0))
