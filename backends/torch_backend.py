@@ -45,8 +45,8 @@ class TorchBackend(Backend):
             first, second = slice(0, r // 2), slice(r // 2, r)
         a = x[..., first].to(compute_dtype)
         b = x[..., second].to(compute_dtype)
-        new_a = a * cos - b * sin
-        new_b = b * cos + a * sin
+        new_a = torch.addcmul(a * cos, b, sin, value=-1)  # a*cos - b*sin, one temporary fewer
+        new_b = torch.addcmul(b * cos, a, sin)
         # Both halves are computed before either is written: safe in place.
         out[..., first].copy_(new_a)
         out[..., second].copy_(new_b)

@@ -416,6 +416,28 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown(results: dict) -> str:
+    """The results as a Markdown table (what BENCHMARKS.md records)."""
+    env = results["environment"]
+    head = (f"{env.get('gpu', env.get('cpu'))}, torch {env['torch']}"
+            + (f", CUDA {env['cuda']}" if env.get("cuda") else "") + (f", triton {env['triton']}" if env.get("triton") else "")
+            + f", rope_ops commit {env['commit']}, {env['date']}, {results['dtype']}"
+            + (f", sequences scaled 1/{results['scale']}" if results["scale"] > 1 else "")
+            + f"; copy bandwidth {results['copy_bandwidth_GBps']:.0f} GB/s (read + write)")
+    lines = [head, "", "| W | provider | time (us) | GB/s | % of copy bandwidth | x same-bytes copy | host us/call | check |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in results["rows"]:
+        if "time_us" not in row:
+            lines.append(f"| {row['workload']} | {row['provider']} | {row.get('skipped') or row.get('error')} | | | | | |")
+            continue
+        ratio = f"{row['vs_same_bytes_copy']:.3f}" if "vs_same_bytes_copy" in row else "1"
+        host = f"{row['host_us']:.1f}" if "host_us" in row else ""
+        check = str(row.get("check", "")).split(":")[0]
+        lines.append(f"| {row['workload']} | {row['provider']} | {row['time_us']:.2f} | {row['GBps']:.0f} | "
+                     f"{row['pct_copy']:.1f} | {ratio} | {host} | {check} |")
+    return "\n".join(lines)
+
+
 def plot(results: dict, path: str) -> None:
     import matplotlib
 
@@ -452,6 +474,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sets", type=int, default=None, help="input sets to rotate (default: 4 GPU, 2 CPU)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--png", default=None)
+    parser.add_argument("--markdown", default=None, help="write the table as Markdown")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     scale = args.scale or (1 if device.type == "cuda" else 32)
@@ -464,6 +487,9 @@ def main(argv: list[str]) -> int:
             json.dump(results, f, indent=1)
     if args.png:
         plot(results, args.png)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(results) + "\n")
     # Baselines compute in bf16 and are expected to miss our bound; ours must not.
     failed = [r for r in results["rows"] if r["provider"].startswith("rope_ops:")
               and (str(r.get("check", "")).startswith("MISMATCH") or "error" in r)]

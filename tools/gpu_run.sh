@@ -73,7 +73,7 @@ if has perf; then
 fi
 if has bench; then
   step "benchmark (PERF.md workloads, same-run copy, peers)"
-  timeout 500 python3 -m rope_ops bench --json "$OUT/bench.json" --png "$OUT/bench.png" 2>&1 | tee "$OUT/bench.txt" || status=1
+  timeout 500 python3 -m rope_ops bench --json "$OUT/bench.json" --png "$OUT/bench.png" --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.txt" || status=1
 fi
 echo; echo "gpu_run.sh: exit $status"
 exit $status
