@@ -321,3 +321,60 @@ def test_odd_sizes(style):
     run_case(D=2, hq=1, hk=1, style=style)
     run_case(D=80, hq=3, hk=1, S=2, style=style, dtype=torch.bfloat16)
     run_case(small=False, D=8, R=6, hq=40, hk=5, B=1, S=5, style=style, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("cfg", [(1, 32, 8, False), (1, 2, 1, True), (2, 4, 2, True),
+                                 (2, 2, 1, False), (4, 16, 4, False)], ids=str)
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_forced_block_configs(cfg, style, monkeypatch):
+    # Every kernel path the sweep (tools/gpu_triton_check.py) can select: the per-token-block
+    # chunk walk (decode EARLY = 2 when BLOCK_T = 1) and the head grid, ragged heads and tokens.
+    monkeypatch.setattr(tb, "_pick_blocks", lambda *a: cfg)
+    run_case(B=2, S=5, hq=5, hk=3, D=16, R=12, style=style, dtype=torch.bfloat16)
+    run_case(B=2, S=5, hq=3, hk=0, D=16, style=style, inplace=True, lo=-10, hi=100, n_rows=64)
+    run_case(layout="thd", B=1, S=7, hq=4, hk=2, D=16, style=style, inverse=True)
+
+
+def test_default_configs():
+    # The H200 defaults (NOTES.md): W1/W4/W5 (4, 16, 8); W3 in place (4, 16, 4); W2 head grid.
+    assert tb._pick_blocks(16384, 32, 8, 128, 128, False) == (4, 16, 8, False)
+    assert tb._pick_blocks(8192, 32, 32, 128, 128, False) == (4, 16, 8, False)
+    assert tb._pick_blocks(32768, 64, 8, 128, 128, False) == (4, 16, 8, False)
+    assert tb._pick_blocks(8192, 16, 16, 256, 64, False) == (4, 16, 4, False)
+    assert tb._pick_blocks(8192, 16, 16, 256, 64, True) == (1, 8, 4, False)
+    assert tb._pick_blocks(256, 32, 8, 128, 128, False) == (1, 8, 2, True)
+
+
+@pytest.mark.parametrize("hk", [2, 0])
+def test_allocates_outputs(hk):
+    # q_out = k_out = None (out of place): run() allocates and returns (q_out, k_out).
+    gen = torch.Generator().manual_seed(7)
+    q = make_input("bshd", 2, 3, 4, 16, torch.bfloat16, gen)
+    k = make_input("bshd", 2, 3, hk, 16, torch.bfloat16, gen) if hk else None
+    inv_freq = inv_freq_of(16, 10000.0)
+    cos, sin = tables(inv_freq, 64, 1.0, DEVICE)
+    pos = torch.arange(3, device=DEVICE)
+    be = tb.TritonBackend()
+    assert be.allocates_outputs
+    for _ in range(2):  # the plan's first (JIT) and later calls
+        args = KernelArgs(q=q, k=k, q_out=None, k_out=None, pos=pos, pos_offset=0, cos=cos,
+                          sin=sin, freq_turns=freq_turns_of(inv_freq, DEVICE),
+                          attention_factor=1.0, layout="bshd", rotary_dim=16, interleaved=False,
+                          inverse=False, inplace=False)
+        made = be.run(args)
+        assert isinstance(made, tuple) and len(made) == 2
+        qo, ko = made
+        ref_kw = dict(layout="bshd", rotary_dim=16, style="neox", inv_freq=inv_freq)
+        assert_close(qo, q, rope_reference(q, pos, **ref_kw), 16, "neox", "allocated q")
+        if hk:
+            assert_close(ko, k, rope_reference(k, pos, **ref_kw), 16, "neox", "allocated k")
+        else:
+            assert ko is None
+    # Given outputs: written, None returned.
+    qo2 = torch.empty_like(q)
+    assert be.run(args._replace(q_out=qo2, k_out=None if k is None else torch.empty_like(k))) is None
+    assert torch.equal(qo2, qo)
+    # No tokens: still returns (empty) outputs.
+    q0 = q[:, :0]
+    made = be.run(args._replace(q=q0, k=None if k is None else k[:, :0], pos=pos[:0]))
+    assert made[0].shape == q0.shape

@@ -19,8 +19,11 @@ from rope_ops.backend import Backend, KernelArgs, bshd_view
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 # Chunk size targets (elements of one head-chunk tile of one program).
-_SMALL_TOKENS = 512  # at most this many tokens: one token per program, wide head chunks (decode)
-_TILE_ELEMS = 4096
+_SMALL_TOKENS = 512  # at most this many tokens: decode plan (one token per program, head grid)
+_TILE_ELEMS = 8192  # prefill tile: W1/W4/W5 (4, 16, 128) (H200 sweep: W1 85.2 us vs 86.4 us)
+_TILE_ELEMS_INPLACE = 4096  # in place (rotary dims only): W3 (4, 16, 64)
+_MAX_WASTE = 1.25  # padded heads / heads allowed for a wider chunk (W1: 16-head chunks, 1.2)
+_DECODE_BLOCK_H = 8  # decode head chunk: W2 -> 256 tokens x 5 chunks of [1, 8, 128], 2 warps
 _MAX_PLANS = 512
 
 
@@ -28,39 +31,55 @@ def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def _warps_for(elems_half: int) -> int:
+    """num_warps so each thread holds ~8 elements of a half tile (a 16-byte bf16 vector per
+    half, two per head): fewer threads would serialize, more would split the vectors."""
+    return 1 << (max(1, min(8, elems_half // 256)).bit_length() - 1)
+
+
 def _pick_blocks(n_tokens: int, hq: int, hk: int, head_dim: int, rotary_dim: int,
-                 copy_pass: bool) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_H, num_warps) for one shape class."""
-    rot_p = 2 * _next_pow2(rotary_dim // 2)
+                 copy_pass: bool) -> tuple:
+    """(BLOCK_T, BLOCK_H, num_warps[, head_grid]) for one shape class.
+
+    head_grid (default False): one program per (token block, head chunk) instead of one per
+    token block walking all chunks.
+    """
+    half_p = _next_pow2(rotary_dim // 2)
+    rot_p = 2 * half_p
     pass_p = _next_pow2(head_dim) if copy_pass else 0
     per_head = rot_p + pass_p
     heads = hq + hk
+    hmax = _next_pow2(max(hq, hk))
     if n_tokens <= _SMALL_TOKENS:
-        # Latency-bound: one token per program, q in one chunk where it fits, so that all loads
-        # of a program are in flight together (chunk 0 before the position, chunk 1 prefetched).
-        block_t = 1
-        block_h = max(1, min(_next_pow2(max(hq, hk)), _TILE_ELEMS // per_head))
-    else:
-        block_h = 1
-        cap = max(1, min(16, _TILE_ELEMS // per_head))
-        best = None
-        bh = 1
-        while bh <= min(cap, _next_pow2(max(hq, hk))):
-            padded = (-(-hq // bh) + -(-hk // bh)) * bh
-            waste = padded / heads
-            if waste <= 1.15:
-                block_h = bh  # the largest low-waste chunk
-            if best is None or waste < best[0]:
-                best = (waste, bh)
-            bh *= 2
-        if (-(-hq // block_h) + -(-hk // block_h)) * block_h / heads > 1.15:
-            block_h = best[1]
-        block_t = max(1, min(16, _TILE_ELEMS // (per_head * block_h), _next_pow2(n_tokens)))
-    elems = block_t * block_h * per_head
-    # About 16 elements (two 16-byte bf16 vectors per half) per thread: for the 4096-element
-    # W1 tile, 8 warps compile to ~61 registers where 4 warps need ~125 (sm_90 ptxas).
-    num_warps = 1 << (max(1, min(8, elems // 512)).bit_length() - 1)
-    return block_t, block_h, num_warps
+        # Latency-bound: the most parallelism, the shortest programs. One program per
+        # (token, chunk of <= 8 heads): each loads its chunk, then its position and cos/sin row,
+        # rotates and stores; W2 runs 1280 programs of 2 warps.
+        block_h = max(1, min(hmax, _DECODE_BLOCK_H, max(1, 4096 // per_head)))
+        return 1, block_h, _warps_for(block_h * half_p), True
+    # Partial rotary (W3) keeps the 4096-element tile of the measured W3 rows: in place it moves
+    # only the rotary dims, out of place the tile includes the pass-through copy.
+    tile = _TILE_ELEMS_INPLACE if rotary_dim < head_dim else _TILE_ELEMS
+    cap = max(1, min(16, tile // per_head))
+    block_h = 1
+    best = None
+    bh = 1
+    while bh <= min(cap, hmax):
+        waste = (-(-hq // bh) + -(-hk // bh)) * bh / heads
+        if waste <= _MAX_WASTE:
+            block_h = bh  # the largest low-waste chunk
+        if best is None or waste < best[0]:
+            best = (waste, bh)
+        bh *= 2
+    if (-(-hq // block_h) + -(-hk // block_h)) * block_h / heads > _MAX_WASTE:
+        block_h = best[1]
+    block_t = max(1, min(16, tile // (per_head * block_h), _next_pow2(n_tokens)))
+    # ~8 elements per thread per half tile (the prefetched chunk doubles it): W1 (4, 16, 128)
+    # and W3 in place (4, 16, 64) both get 8 warps by this; the W3 in place sweep winner was
+    # (4, 16, 4), so the in-place tile is capped at 4 warps.
+    warps = _warps_for(block_t * block_h * (half_p + pass_p // 2))
+    if rotary_dim < head_dim and not copy_pass:
+        warps = min(warps, 4)
+    return block_t, block_h, warps, False
 
 
 class _Plan:
@@ -82,6 +101,8 @@ class _Plan:
 
 class TritonBackend(Backend):
     name: ClassVar[str] = "triton"
+    # Out of place, run() may get q_out = k_out = None: it allocates and returns them.
+    allocates_outputs: ClassVar[bool] = True
     priority: ClassVar[int] = 10
     device_types: ClassVar[frozenset[str]] = (
         frozenset({"cuda", "cpu"}) if _INTERPRET else frozenset({"cuda"})
@@ -132,8 +153,17 @@ class TritonBackend(Backend):
             self._kernel = kernels
         return self._kernel
 
-    def run(self, args: KernelArgs) -> None:
+    def run(self, args: KernelArgs):
+        """Out of place with ``q_out is None``: allocate the outputs and return (q_out, k_out);
+        otherwise write into the given outputs and return None."""
         q, k, qo, ko, pos = args.q, args.k, args.q_out, args.k_out, args.pos
+        made = None
+        if qo is None:
+            # empty_like keeps q's strides where q is dense (else row-major): the plan key below
+            # holds the outputs' strides, so either is fine.
+            qo = torch.empty_like(q)
+            ko = None if k is None else torch.empty_like(k)
+            made = (qo, ko)
         # Everything a plan derives from, flat (cheap to hash). pos shapes follow from q's
         # (validated by the core), so pos strides and dtype suffice.
         dev = q.get_device()
@@ -158,14 +188,17 @@ class TritonBackend(Backend):
         if dev >= 0 and dev != torch.cuda.current_device():
             # triton launches on the current device: make it q's for this call.
             with torch.cuda.device(dev):
-                return self._run(key, args)
-        return self._run(key, args)
+                self._run(key, args, qo, ko)
+        else:
+            self._run(key, args, qo, ko)
+        return made
 
-    def _run(self, key, args: KernelArgs) -> None:
-        q, k, qo, ko, pos = args.q, args.k, args.q_out, args.k_out, args.pos
+    def _run(self, key, args: KernelArgs, qo, ko) -> None:
+        q, k, pos = args.q, args.k, args.pos
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._make_plan(args)
+            plan = self._make_plan(args if args.q_out is not None else
+                                   args._replace(q_out=qo, k_out=ko))
             if plan is None:
                 return  # no tokens
             if len(self._plans) >= _MAX_PLANS:
@@ -225,8 +258,9 @@ class TritonBackend(Backend):
             return None
         rotary_dim = args.rotary_dim
         copy_pass = (not args.inplace) and rotary_dim < head_dim
-        block_t, block_h, num_warps = _pick_blocks(n_tokens, hq, hk, head_dim, rotary_dim,
-                                                   copy_pass)
+        cfg = _pick_blocks(n_tokens, hq, hk, head_dim, rotary_dim, copy_pass)
+        block_t, block_h, num_warps = cfg[:3]
+        head_grid = bool(cfg[3]) if len(cfg) > 3 else False
         sq = list(q4.stride())
         sqo = list(qo4.stride())
         sk = list(k4.stride()) if k4 is not None else [0, 0, 0, 1]
@@ -257,6 +291,8 @@ class TritonBackend(Backend):
             pos is not None, args.freq_turns is not None, d_contig,
             (not _INTERPRET) and self._get_kernel().libdevice is not None,
             2 if block_t == 1 else 1,  # EARLY: decode loads q and k chunks before the position
+            head_grid,
         )
-        grid = (-(-n_tokens // block_t), 1, 1)
+        n_chunks = -(-hq // block_h) + -(-hk // block_h)
+        grid = (-(-n_tokens // block_t) * (n_chunks if head_grid else 1), 1, 1)
         return _Plan(ints, consts, grid, num_warps, pos is not None)

@@ -121,6 +121,67 @@ def _load_nth(ci: tl.constexpr, NQC: tl.constexpr, q_ptr, row_q, sq_h, sq_d, HQ,
     return x, y
 
 
+@triton.jit
+def _cos_sin(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s, pos_offset, n_rows,
+             attn_factor, HALF: tl.constexpr, HALF_P: tl.constexpr, HAS_POS: tl.constexpr,
+             HAS_TURNS: tl.constexpr, LIBDEVICE: tl.constexpr, INVERSE: tl.constexpr):
+    """(c, s) [BT, HALF_P] float32 of the tokens (b, sq): table rows, or computed on the fly."""
+    if HAS_POS:
+        p = tl.load(pos_ptr + b * sp_b + sq * sp_s, mask=tmask, other=0).to(tl.int64)
+    else:
+        p = sq + pos_offset
+    i = tl.arange(0, HALF_P)
+    inside = (p >= 0) & (p < n_rows)
+    tab = p[:, None] * HALF + i[None, :]
+    tmask2 = inside[:, None] & (i < HALF)[None, :]
+    c = tl.load(cos_ptr + tab, mask=tmask2, other=0.0)
+    s = tl.load(sin_ptr + tab, mask=tmask2, other=0.0)
+    if HAS_TURNS:
+        # Rows outside the table are computed on the fly, but only by a program that has such a
+        # token (a uniform branch): the int64 product and libdevice sin/cos cost ~90 instructions
+        # per (token, i) per thread, which on every program would sit on the decode latency path
+        # and take a large share of the issue slots of the prefill programs.
+        if tl.max(tl.where(inside, 0, 1), axis=0) > 0:
+            # Exact fixed-point angle: wrapping int64 product, top 32 bits = signed turns * 2^32.
+            f = tl.load(turns_ptr + i, mask=i < HALF, other=0)
+            top = (p[:, None] * f[None, :]) >> 32
+            angle = top.to(tl.float32) * TWO_PI_OVER_2_32
+            if LIBDEVICE:
+                cf = libdevice.cos(angle)
+                sf = libdevice.sin(angle)
+            else:
+                cf = tl.cos(angle)
+                sf = tl.sin(angle)
+            c = tl.where(inside[:, None], c, cf * attn_factor)
+            s = tl.where(inside[:, None], s, sf * attn_factor)
+    else:
+        c = tl.where(inside[:, None], c, float("nan"))
+        s = tl.where(inside[:, None], s, float("nan"))
+    if INVERSE:
+        s = -s
+    return c, s
+
+
+@triton.jit
+def _one_chunk(in_ptr, out_ptr, row_in, row_out, h0, n_heads, si_h, si_d, so_h, so_d,
+               pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s, pos_offset, n_rows,
+               attn_factor, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+               HALF_P: tl.constexpr, ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
+               PASS_P: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
+               COPY_PASS: tl.constexpr, HAS_POS: tl.constexpr, HAS_TURNS: tl.constexpr,
+               D_CONTIG: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """A whole program of the head grid: one chunk, its loads issued before the position."""
+    x, y = _load_chunk(in_ptr, row_in, tmask, h0, n_heads, si_h, si_d,
+                       BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+    c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s, pos_offset,
+                    n_rows, attn_factor, HALF, HALF_P, HAS_POS, HAS_TURNS, LIBDEVICE, INVERSE)
+    _rotate_store(x, y, c, s, out_ptr, row_out, tmask, h0, n_heads, so_h, so_d,
+                  BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+    if COPY_PASS:
+        _copy_pass(in_ptr, out_ptr, row_in, row_out, tmask, h0, n_heads, si_h, si_d, so_h, so_d,
+                   BLOCK_H, ROTARY_DIM, HEAD_DIM, PASS_P, D_CONTIG)
+
+
 @triton.jit(do_not_specialize=["n_tokens", "seq_len", "n_rows", "pos_offset"])
 def rope_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, turns_ptr,
@@ -134,7 +195,7 @@ def rope_kernel(
     HALF_P: tl.constexpr, PASS_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, COPY_PASS: tl.constexpr,
     HAS_POS: tl.constexpr, HAS_TURNS: tl.constexpr, D_CONTIG: tl.constexpr,
-    LIBDEVICE: tl.constexpr, EARLY: tl.constexpr,
+    LIBDEVICE: tl.constexpr, EARLY: tl.constexpr, HEAD_GRID: tl.constexpr,
 ):
     HALF: tl.constexpr = ROTARY_DIM // 2
     NQC: tl.constexpr = (HQ + BLOCK_H - 1) // BLOCK_H
@@ -142,6 +203,11 @@ def rope_kernel(
     NC: tl.constexpr = NQC + NKC
 
     pid = tl.program_id(0)
+    if HEAD_GRID:
+        # One program per (token block, head chunk), the chunk fastest (adjacent programs touch
+        # adjacent memory); a flat 1-D grid, so no grid-dimension limit on the token count.
+        ci = pid % NC
+        pid = pid // NC
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < n_tokens
     b = (t // seq_len).to(tl.int64)
@@ -151,6 +217,21 @@ def rope_kernel(
     row_k = b * sk_b + sq * sk_s
     row_ko = b * sko_b + sq * sko_s
 
+    if HEAD_GRID:
+        if ci < NQC:
+            _one_chunk(q_ptr, qo_ptr, row_q, row_qo, ci * BLOCK_H, HQ, sq_h, sq_d, sqo_h, sqo_d,
+                       pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s,
+                       pos_offset, n_rows, attn_factor, BLOCK_T, BLOCK_H, HALF, HALF_P,
+                       ROTARY_DIM, HEAD_DIM, PASS_P, INTERLEAVED, INVERSE, COPY_PASS, HAS_POS,
+                       HAS_TURNS, D_CONTIG, LIBDEVICE)
+        else:
+            _one_chunk(k_ptr, ko_ptr, row_k, row_ko, (ci - NQC) * BLOCK_H, HK, sk_h, sk_d, sko_h,
+                       sko_d, pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s,
+                       pos_offset, n_rows, attn_factor, BLOCK_T, BLOCK_H, HALF, HALF_P,
+                       ROTARY_DIM, HEAD_DIM, PASS_P, INTERLEAVED, INVERSE, COPY_PASS, HAS_POS,
+                       HAS_TURNS, D_CONTIG, LIBDEVICE)
+        return
+
     # The first chunk (EARLY = 2: the first two) is loaded before the position, so its latency
     # overlaps the position -> cos/sin chain.
     x, y = _load_nth(0, NQC, q_ptr, row_q, sq_h, sq_d, HQ, k_ptr, row_k, sk_h, sk_d, HK, tmask,
@@ -159,34 +240,8 @@ def rope_kernel(
         xn, yn = _load_nth(1, NQC, q_ptr, row_q, sq_h, sq_d, HQ, k_ptr, row_k, sk_h, sk_d, HK,
                            tmask, BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
 
-    if HAS_POS:
-        p = tl.load(pos_ptr + b * sp_b + sq * sp_s, mask=tmask, other=0).to(tl.int64)
-    else:
-        p = sq + pos_offset
-    i = tl.arange(0, HALF_P)
-    inside = (p >= 0) & (p < n_rows)
-    tab = p[:, None] * HALF + i[None, :]
-    tmask2 = inside[:, None] & (i < HALF)[None, :]
-    c = tl.load(cos_ptr + tab, mask=tmask2, other=0.0)
-    s = tl.load(sin_ptr + tab, mask=tmask2, other=0.0)
-    if HAS_TURNS:
-        # Exact fixed-point angle: wrapping int64 product, top 32 bits = signed turns * 2^32.
-        f = tl.load(turns_ptr + i, mask=i < HALF, other=0)
-        top = (p[:, None] * f[None, :]) >> 32
-        angle = top.to(tl.float32) * TWO_PI_OVER_2_32
-        if LIBDEVICE:
-            cf = libdevice.cos(angle)
-            sf = libdevice.sin(angle)
-        else:
-            cf = tl.cos(angle)
-            sf = tl.sin(angle)
-        c = tl.where(inside[:, None], c, cf * attn_factor)
-        s = tl.where(inside[:, None], s, sf * attn_factor)
-    else:
-        c = tl.where(inside[:, None], c, float("nan"))
-        s = tl.where(inside[:, None], s, float("nan"))
-    if INVERSE:
-        s = -s
+    c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s, pos_offset,
+                    n_rows, attn_factor, HALF, HALF_P, HAS_POS, HAS_TURNS, LIBDEVICE, INVERSE)
 
     for ci in tl.static_range(NC):
         # Prefetch chunk ci + 1 before rotating and storing chunk ci.
