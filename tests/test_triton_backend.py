@@ -333,6 +333,10 @@ def test_forced_block_configs(cfg, style, monkeypatch):
     run_case(B=2, S=5, hq=5, hk=3, D=16, R=12, style=style, dtype=torch.bfloat16)
     run_case(B=2, S=5, hq=3, hk=0, D=16, style=style, inplace=True, lo=-10, hi=100, n_rows=64)
     run_case(layout="thd", B=1, S=7, hq=4, hk=2, D=16, style=style, inverse=True)
+    # Sequences of one token (TOK_SPLIT = 2) and one sequence (TOK_SPLIT = 1), both position forms.
+    run_case(B=3, S=1, hq=4, hk=2, D=16, style=style, pos_kind="bs")
+    run_case(B=3, S=1, hq=4, hk=2, D=16, style=style, pos_kind="offset", lo=5)
+    run_case(B=1, S=6, hq=4, hk=2, D=16, style=style, pos_kind="offset", lo=5)
 
 
 def test_default_configs():
@@ -342,7 +346,7 @@ def test_default_configs():
     assert tb._pick_blocks(32768, 64, 8, 128, 128, False) == (4, 16, 8, False)
     assert tb._pick_blocks(8192, 16, 16, 256, 64, False) == (4, 16, 4, False)
     assert tb._pick_blocks(8192, 16, 16, 256, 64, True) == (1, 8, 4, False)
-    assert tb._pick_blocks(256, 32, 8, 128, 128, False) == (1, 8, 2, True)
+    assert tb._pick_blocks(256, 32, 8, 128, 128, False) == (1, 16, 4, True)
 
 
 @pytest.mark.parametrize("hk", [2, 0])

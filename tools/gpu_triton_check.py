@@ -436,8 +436,8 @@ def sweep(w: Work, backend_cls, configs, inplace=False, deadline=170.0):
 # Configurations swept per workload, (BLOCK_T, BLOCK_H, num_warps[, head_grid]); head_grid True
 # = one program per (token block, head chunk). The backend's default is added in front.
 SWEEPS = {
-    "W2": [(1, 32, 8), (1, 8, 1, True), (1, 16, 4, True), (1, 16, 2, True), (1, 32, 8, True),
-           (1, 4, 1, True)],
+    "W2": [(1, 32, 8), (1, 8, 2, True), (1, 8, 1, True), (1, 16, 4, True), (1, 16, 2, True),
+           (1, 32, 8, True), (1, 4, 1, True)],
     "W4": [(2, 16, 8), (4, 16, 4), (8, 16, 8), (4, 32, 8), (8, 16, 8, True), (4, 8, 4, True)],
     "W1": [(4, 8, 8), (4, 16, 4), (8, 16, 8), (2, 16, 8)],
     "W3 in place": [(4, 16, 8), (8, 16, 8), (2, 16, 4), (8, 16, 4)],

@@ -23,7 +23,7 @@ _SMALL_TOKENS = 512  # at most this many tokens: decode plan (one token per prog
 _TILE_ELEMS = 8192  # prefill tile: W1/W4/W5 (4, 16, 128) (H200 sweep: W1 85.2 us vs 86.4 us)
 _TILE_ELEMS_INPLACE = 4096  # in place (rotary dims only): W3 (4, 16, 64)
 _MAX_WASTE = 1.25  # padded heads / heads allowed for a wider chunk (W1: 16-head chunks, 1.2)
-_DECODE_BLOCK_H = 8  # decode head chunk: W2 -> 256 tokens x 5 chunks of [1, 8, 128], 2 warps
+_DECODE_BLOCK_H = 16  # decode head chunk: W2 -> 256 tokens x 3 chunks of [1, 16, 128], 4 warps
 _MAX_PLANS = 512
 
 
@@ -53,7 +53,9 @@ def _pick_blocks(n_tokens: int, hq: int, hk: int, head_dim: int, rotary_dim: int
     if n_tokens <= _SMALL_TOKENS:
         # Latency-bound: the most parallelism, the shortest programs. One program per
         # (token, chunk of <= 8 heads): each loads its chunk, then its position and cos/sin row,
-        # rotates and stores; W2 runs 1280 programs of 2 warps.
+        # rotates and stores; W2 runs 768 programs of 4 warps. (With 8-head chunks and 2 warps the
+        # [1, 64] cos/sin row is loaded one element per thread and transposed through shared
+        # memory, 3 barriers on the latency path; with 128 threads it loads as 16-byte vectors.)
         block_h = max(1, min(hmax, _DECODE_BLOCK_H, max(1, 4096 // per_head)))
         return 1, block_h, _warps_for(block_h * half_p), True
     # Partial rotary (W3) keeps the 4096-element tile of the measured W3 rows: in place it moves
@@ -292,6 +294,7 @@ class TritonBackend(Backend):
             (not _INTERPRET) and self._get_kernel().libdevice is not None,
             2 if block_t == 1 else 1,  # EARLY: decode loads q and k chunks before the position
             head_grid,
+            1 if batch == 1 else (2 if seq == 1 else 0),  # TOK_SPLIT: token -> (b, s) division-free
         )
         n_chunks = -(-hq // block_h) + -(-hk // block_h)
         grid = (-(-n_tokens // block_t) * (n_chunks if head_grid else 1), 1, 1)

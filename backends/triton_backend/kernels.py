@@ -196,6 +196,7 @@ def rope_kernel(
     INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, COPY_PASS: tl.constexpr,
     HAS_POS: tl.constexpr, HAS_TURNS: tl.constexpr, D_CONTIG: tl.constexpr,
     LIBDEVICE: tl.constexpr, EARLY: tl.constexpr, HEAD_GRID: tl.constexpr,
+    TOK_SPLIT: tl.constexpr,
 ):
     HALF: tl.constexpr = ROTARY_DIM // 2
     NQC: tl.constexpr = (HQ + BLOCK_H - 1) // BLOCK_H
@@ -210,8 +211,15 @@ def rope_kernel(
         pid = pid // NC
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < n_tokens
-    b = (t // seq_len).to(tl.int64)
-    sq = (t % seq_len).to(tl.int64)
+    if TOK_SPLIT == 1:  # one sequence (thd, decode): no integer division before the loads
+        b = (t * 0).to(tl.int64)
+        sq = t.to(tl.int64)
+    elif TOK_SPLIT == 2:  # sequences of one token
+        b = t.to(tl.int64)
+        sq = (t * 0).to(tl.int64)
+    else:
+        b = (t // seq_len).to(tl.int64)
+        sq = (t % seq_len).to(tl.int64)
     row_q = b * sq_b + sq * sq_s
     row_qo = b * sqo_b + sq * sqo_s
     row_k = b * sk_b + sq * sk_s
