@@ -59,7 +59,11 @@ for cu in "$here"/*.cu; do
         if ! awk '
           function check(   need, i, n, miss) {
             if (kern == "") return
-            if (kern ~ /rope_fast_kernel/) n = split("ld.global.cs.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
+            # fast kernels: template <T, NEOX, SCHED, STAGE, HINT>; the mangled name ends in the
+            # HINT: 0 ld.cs loads + plain stores, 1 plain loads + stores, 2 ld.cs loads + st.cs stores
+            if (kern ~ /rope_fast_kernel.*ELi1EEEv10RopeParams/) n = split("ld.global.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
+            else if (kern ~ /rope_fast_kernel.*ELi2EEEv10RopeParams/) n = split("ld.global.cs.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.cs.v4", need, " ")
+            else if (kern ~ /rope_fast_kernel/) n = split("ld.global.cs.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
             else if (kern ~ /rope_generic_kernel/) n = split("ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.f32 st.global", need, " ")
             else n = 0
             for (i = 1; i <= n; i++) if (index(body, need[i]) == 0) { print "missing " need[i] " in " kern; bad = 1 }
@@ -91,7 +95,7 @@ if [ "${ROPE_OPS_SKIP_BINDING_CHECK:-0}" != 1 ] && [ -f "$here/rope_binding.cpp"
   py="${PYTHON:-python3}"
   if ! command -v "${CXX:-g++}" >/dev/null 2>&1; then
     echo "== rope_binding.cpp: skipped (no host C++ compiler ${CXX:-g++})"
-  elif inc="$("$py" -c 'import torch.utils.cpp_extension as c; print("\n".join(c.include_paths()))' 2>/dev/null)"; then
+  elif inc="$("$py" -c 'import sysconfig, torch.utils.cpp_extension as c; print("\n".join(c.include_paths() + [sysconfig.get_paths()["include"]]))' 2>/dev/null)"; then
     cuda_inc=""
     for c in "$(dirname "$(dirname "$(readlink -f "$nvcc")")")" "${CUDA_HOME:-}" /usr/local/cuda; do
       if [ -n "$c" ] && [ -f "$c/include/cuda_runtime.h" ]; then cuda_inc="$c/include"; break; fi

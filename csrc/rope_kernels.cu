@@ -20,14 +20,42 @@ namespace rope_ops_cuda {
 namespace {
 
 constexpr int kThreads = 256;  // threads per block, both kernels
-// Heads whose loads a thread issues before the first math (fast path): kUnroll when a thread owns
-// several heads (prefill), 1 for decode-sized calls (one head per thread, fewer registers, so
-// more resident blocks and a single wave).
-constexpr int kUnroll = 4;
 
-// Tuning knobs, settable through rope_set_tuning (the GPU check sweeps them).
-int g_max_heads_per_thread = 8;
-int g_min_threads_per_sm = 4096;  // aim for at least this many threads per SM (about two waves)
+// ------------------------------------------------------------------------------------------------
+// Tuning. DEFAULTS PER CALL CLASS: edit kDefaultConfig after `gpu_cuda_check.py --perf-only
+// --sweep` (its "sweep winners" lines name the class and the winning knobs of each workload).
+//   variant: index into kVariants (defined with the fast kernel below), used when a thread owns
+//            several heads; one head per thread always runs the ROUNDS/1 kernel.
+//   max_heads_per_thread, min_threads_per_sm: grid sizing (see launch_typed).
+struct TuneConfig {
+  int variant, max_heads_per_thread, min_threads_per_sm;
+};
+// Index: small * 4 + inplace * 2 + neox. small = decode-sized (fewer than 2048 threads per SM
+// at one head per thread); inplace = rotary dims only; neox = half-split pairs (gptj otherwise).
+// W1/W4/W5: large/out/neox. W2: small/out/neox. W3: large/in/gptj and large/out/gptj.
+TuneConfig kDefaultConfig[8] = {
+    /* large out gptj */ {1, 8, 4096},
+    /* large out neox */ {1, 8, 4096},
+    /* large in  gptj */ {1, 8, 4096},
+    /* large in  neox */ {1, 8, 4096},
+    /* small out gptj */ {1, 8, 4096},
+    /* small out neox */ {1, 8, 4096},
+    /* small in  gptj */ {1, 8, 4096},
+    /* small in  neox */ {1, 8, 4096},
+};
+// Process-wide overrides (benchmarks, tests; not thread-safe): -1 = use kDefaultConfig.
+int g_variant = -1;
+int g_max_heads_per_thread = -1;
+int g_min_threads_per_sm = -1;
+int g_last_variant = -2;  // variant of the last fast-path launch (-1: one head per thread)
+
+TuneConfig effective_config(bool small, bool inplace, bool neox) {
+  TuneConfig c = kDefaultConfig[(small ? 4 : 0) + (inplace ? 2 : 0) + (neox ? 1 : 0)];
+  if (g_variant >= 0) c.variant = g_variant;
+  if (g_max_heads_per_thread >= 1) c.max_heads_per_thread = g_max_heads_per_thread;
+  if (g_min_threads_per_sm >= 1) c.min_threads_per_sm = g_min_threads_per_sm;
+  return c;
+}
 
 // ------------------------------------------------------------------------------------------------
 // dtype helpers
@@ -222,59 +250,139 @@ ROPE_HD void load_cos_sin(const RopeParams& p, int64_t pos, int64_t i0,
 // the token (q heads first, then k heads). Chunk c < CR is a rotary chunk: neox loads the 16-byte
 // vectors at c*V and c*V + R/2 (V pairs), gptj the vector at c*V (V/2 adjacent pairs); its cos/sin
 // floats are loaded once and reused for all of the thread's heads. Chunks CR <= c < CT copy
-// pass-through vectors [R, D) (out of place only). Loads for kUnroll heads are issued before math.
-template <typename T, bool NEOX, int UNROLL>
-ROPE_HD void fast_thread(const RopeParams& p, const int CR, const int CT, const int HL,
-                         const long long gid) {
-  constexpr int V = VecInfo<T>::kVec;
-  constexpr int NC = NEOX ? V : V / 2;
-  const int c = (int)(gid % CT);
-  const long long t = gid / CT;
-  const int lane = (int)(t % HL);
-  const long long tok = t / HL;
-  const long long b = tok / p.S;
-  const long long s = tok - b * p.S;
-  const long long Ht = p.Hq + p.Hk;
-  const bool rot = c < CR;
-  const long long d0 = rot ? (long long)c * V : p.R + (long long)(c - CR) * V;
-  const long long half = p.R >> 1;
+// pass-through vectors [R, D) (out of place only).
+//
+// Schedules (how a thread walks its heads; see kVariants for the run-time variants):
+//   SCHED_ROUNDS: rounds of ST heads: ST heads' loads, then their math and stores (the original
+//                 kernel; ST = 4, or ST = 1 for one head per thread);
+//   SCHED_PIPE:   software pipelined in stages of ST heads: the loads of stage i+1 are issued
+//                 before the stores of stage i, so a thread always has loads in flight.
+// Cache hints (HINT): HINT_CS: q/k loads evict-first (ld.global.cs), plain stores; HINT_PLAIN:
+// plain loads and stores; HINT_CS_ST: evict-first loads and stores (st.global.cs).
+enum { SCHED_ROUNDS = 0, SCHED_PIPE = 1 };
+enum { HINT_CS = 0, HINT_PLAIN = 1, HINT_CS_ST = 2 };
 
-  const T* q_tok = static_cast<const T*>(p.q) + b * p.q_stride[0] + s * p.q_stride[1] + d0;
-  T* qo_tok = static_cast<T*>(p.q_out) + b * p.q_out_stride[0] + s * p.q_out_stride[1] + d0;
-  const T* k_tok = nullptr;
-  T* ko_tok = nullptr;
-  if (p.Hk > 0) {
-    k_tok = static_cast<const T*>(p.k) + b * p.k_stride[0] + s * p.k_stride[1] + d0;
-    ko_tok = static_cast<T*>(p.k_out) + b * p.k_out_stride[0] + s * p.k_out_stride[1] + d0;
+template <int HINT>
+ROPE_HD uint4 ld_data(const void* ptr) {
+  const uint4* p = reinterpret_cast<const uint4*>(ptr);
+  if constexpr (HINT == HINT_PLAIN) {
+    return *p;
+  } else {
+    return ld_stream(p);
+  }
+}
+
+template <int HINT>
+ROPE_HD void st_data(void* ptr, const uint4& v) {
+  uint4* p = reinterpret_cast<uint4*>(ptr);
+#ifdef __CUDA_ARCH__
+  if constexpr (HINT == HINT_CS_ST) {
+    __stcs(p, v);
+    return;
+  }
+#endif
+  *p = v;
+}
+
+// Index decomposition of a thread id: 32-bit divisions when the whole grid fits in 31 bits
+// (always in practice: 2^31 threads are > 64 GiB of bf16 data), 64-bit otherwise. A 64-bit
+// division is a ~70-instruction subroutine in SASS, a 32-bit one ~20 instructions.
+struct ThreadIdx {
+  int c, lane;
+  long long b, s;
+};
+
+ROPE_HD ThreadIdx decompose(const RopeParams& p, const int CT, const int HL, const long long gid,
+                            const long long total) {
+  ThreadIdx r;
+  if (total <= 0x7fffffffLL && p.S <= 0x7fffffffLL) {
+    const uint32_t g = (uint32_t)gid;
+    const uint32_t t = g / (uint32_t)CT;
+    r.c = (int)(g - t * (uint32_t)CT);
+    const uint32_t tok = t / (uint32_t)HL;
+    r.lane = (int)(t - tok * (uint32_t)HL);
+    const uint32_t b = tok / (uint32_t)p.S;
+    r.b = b;
+    r.s = tok - b * (uint32_t)p.S;
+  } else {
+    r.c = (int)(gid % CT);
+    const long long t = gid / CT;
+    r.lane = (int)(t % HL);
+    const long long tok = t / HL;
+    r.b = tok / p.S;
+    r.s = tok - r.b * p.S;
+  }
+  return r;
+}
+
+template <typename T, bool NEOX, int ST, int HINT>
+struct FastThread {
+  static constexpr int V = VecInfo<T>::kVec;
+  static constexpr int NC = NEOX ? V : V / 2;
+  const RopeParams& p;
+  long long Ht, half, HL;
+  bool rot;
+  const T* q_tok;
+  T* qo_tok;
+  const T* k_tok;
+  T* ko_tok;
+  float cs[NC], sn[NC];
+
+  ROPE_HD FastThread(const RopeParams& pp, const int CR, const int CT, const int hl,
+                     const long long gid, const long long total, int& lane_out)
+      : p(pp) {
+    const ThreadIdx ix = decompose(p, CT, hl, gid, total);
+    lane_out = ix.lane;
+    HL = hl;
+    Ht = p.Hq + p.Hk;
+    rot = ix.c < CR;
+    const long long d0 = rot ? (long long)ix.c * V : p.R + (long long)(ix.c - CR) * V;
+    half = p.R >> 1;
+    // The position heads the longest dependency chain (position -> cos/sin row): issue it first.
+    long long pos = 0;
+    if (rot) pos = load_position(p, ix.b, ix.s);
+    q_tok = static_cast<const T*>(p.q) + ix.b * p.q_stride[0] + ix.s * p.q_stride[1] + d0;
+    qo_tok = static_cast<T*>(p.q_out) + ix.b * p.q_out_stride[0] + ix.s * p.q_out_stride[1] + d0;
+    k_tok = nullptr;
+    ko_tok = nullptr;
+    if (p.Hk > 0) {
+      k_tok = static_cast<const T*>(p.k) + ix.b * p.k_stride[0] + ix.s * p.k_stride[1] + d0;
+      ko_tok = static_cast<T*>(p.k_out) + ix.b * p.k_out_stride[0] + ix.s * p.k_out_stride[1] + d0;
+    }
+    pos_ = pos;
+    c_ = ix.c;
+  }
+  long long pos_;
+  int c_;
+
+  ROPE_HD void load_cs() {
+    // frequencies [c*V, c*V + V) (neox) or [c*V/2, c*V/2 + V/2) (gptj) of this thread's chunk
+    if (rot) load_cos_sin<NC>(p, pos_, (long long)c_ * NC, cs, sn);
   }
 
-  float cs[NC], sn[NC];
-  bool have_cs = false;
-  for (long long h0 = lane; h0 < Ht; h0 += (long long)HL * UNROLL) {
-    uint4 va[UNROLL], vb[UNROLL];
+  // Loads of heads h0, h0 + HL, ... (ST of them, those < Ht).
+  ROPE_HD void load(const long long h0, uint4* va, uint4* vb) const {
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
+    for (int u = 0; u < ST; ++u) {
       const long long h = h0 + (long long)u * HL;
       if (h < Ht) {
         const bool isq = h < p.Hq;
         const T* src = isq ? q_tok + h * p.q_stride[2] : k_tok + (h - p.Hq) * p.k_stride[2];
-        va[u] = ld_stream(reinterpret_cast<const uint4*>(src));
-        if (NEOX && rot) vb[u] = ld_stream(reinterpret_cast<const uint4*>(src + half));
+        va[u] = ld_data<HINT>(src);
+        if (NEOX && rot) vb[u] = ld_data<HINT>(src + half);
       }
     }
-    if (rot && !have_cs) {
-      const long long pos = load_position(p, b, s);
-      load_cos_sin<NC>(p, pos, NEOX ? (long long)c * V : (long long)c * (V / 2), cs, sn);
-      have_cs = true;
-    }
+  }
+
+  ROPE_HD void store(const long long h0, const uint4* va, const uint4* vb) const {
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
+    for (int u = 0; u < ST; ++u) {
       const long long h = h0 + (long long)u * HL;
       if (h < Ht) {
         const bool isq = h < p.Hq;
         T* dst = isq ? qo_tok + h * p.q_out_stride[2] : ko_tok + (h - p.Hq) * p.k_out_stride[2];
         if (!rot) {
-          *reinterpret_cast<uint4*>(dst) = va[u];
+          st_data<HINT>(dst, va[u]);
         } else if (NEOX) {
           float x[V], y[V], xo[V], yo[V];
           unpack16<T>(va[u], x);
@@ -284,8 +392,8 @@ ROPE_HD void fast_thread(const RopeParams& p, const int CR, const int CT, const 
             xo[j] = fmaf(x[j], cs[j], -y[j] * sn[j]);
             yo[j] = fmaf(y[j], cs[j], x[j] * sn[j]);
           }
-          *reinterpret_cast<uint4*>(dst) = pack16<T>(xo);
-          *reinterpret_cast<uint4*>(dst + half) = pack16<T>(yo);
+          st_data<HINT>(dst, pack16<T>(xo));
+          st_data<HINT>(dst + half, pack16<T>(yo));
         } else {
           float x[V], o[V];
           unpack16<T>(va[u], x);
@@ -294,19 +402,71 @@ ROPE_HD void fast_thread(const RopeParams& p, const int CR, const int CT, const 
             o[2 * j] = fmaf(x[2 * j], cs[j], -x[2 * j + 1] * sn[j]);
             o[2 * j + 1] = fmaf(x[2 * j + 1], cs[j], x[2 * j] * sn[j]);
           }
-          *reinterpret_cast<uint4*>(dst) = pack16<T>(o);
+          st_data<HINT>(dst, pack16<T>(o));
         }
+      }
+    }
+  }
+};
+
+template <typename T, bool NEOX, int SCHED, int ST, int HINT>
+ROPE_HD void fast_thread(const RopeParams& p, const int CR, const int CT, const int HL,
+                         const long long gid, const long long total) {
+  int lane = 0;
+  FastThread<T, NEOX, ST, HINT> th(p, CR, CT, HL, gid, total, lane);
+  const long long step = (long long)HL * ST;
+  if constexpr (SCHED == SCHED_ROUNDS) {
+    bool have_cs = false;
+    for (long long h0 = lane; h0 < th.Ht; h0 += step) {
+      uint4 va[ST], vb[ST];
+      th.load(h0, va, vb);
+      if (!have_cs) {
+        th.load_cs();
+        have_cs = true;
+      }
+      th.store(h0, va, vb);
+    }
+  } else {
+    uint4 va[ST], vb[ST];
+    long long h0 = lane;
+    th.load(h0, va, vb);
+    th.load_cs();
+    for (; h0 < th.Ht; h0 += step) {
+      uint4 na[ST], nb[ST];
+      if (h0 + step < th.Ht) th.load(h0 + step, na, nb);
+      th.store(h0, va, vb);
+#pragma unroll
+      for (int u = 0; u < ST; ++u) {
+        va[u] = na[u];
+        vb[u] = nb[u];
       }
     }
   }
 }
 
-template <typename T, bool NEOX, int UNROLL>
+// Run-time kernel variants of the fast path (several heads per thread); one head per thread
+// always uses the ROUNDS/1/CS kernel. rope_set_config(variant, ...) forces one for benchmarks;
+// otherwise default_config() below picks per call class.
+struct VariantDesc {
+  int sched, stage, hint;
+  const char* name;
+};
+constexpr int kNumVariants = 6;
+constexpr VariantDesc kVariants[kNumVariants] = {
+    {SCHED_ROUNDS, 4, HINT_CS, "rounds4/ld.cs (original)"},
+    {SCHED_PIPE, 2, HINT_CS, "pipe2/ld.cs"},
+    {SCHED_PIPE, 4, HINT_CS, "pipe4/ld.cs"},
+    {SCHED_PIPE, 2, HINT_PLAIN, "pipe2/plain"},
+    {SCHED_PIPE, 2, HINT_CS_ST, "pipe2/ld.cs+st.cs"},
+    {SCHED_ROUNDS, 4, HINT_PLAIN, "rounds4/plain"},
+};
+
+template <typename T, bool NEOX, int SCHED, int ST, int HINT>
 __global__ void __launch_bounds__(kThreads)
     rope_fast_kernel(const __grid_constant__ RopeParams p, const int CR, const int CT, const int HL,
                      const long long total) {
   const long long gid = (long long)blockIdx.x * kThreads + threadIdx.x;
-  if (gid < total) fast_thread<T, NEOX, UNROLL>(p, CR, CT, HL, gid);
+  if (gid < total) fast_thread<T, NEOX, SCHED, ST, HINT>(p, CR, CT, HL, gid, total);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -428,12 +588,15 @@ cudaError_t launch_typed(const RopeParams& p, int path, int num_sms, cudaStream_
     const int64_t CR = NEOX ? (p.R / 2) / V : p.R / V;
     const int64_t CP = (p.copy_passthrough && p.D > p.R) ? (p.D - p.R) / V : 0;
     const int64_t CT = CR + CP;
+    // Call class and its knobs (default_config), unless rope_set_config forced some.
+    const bool small = tokens * CT * Ht < (int64_t)sms * 2048;  // decode-sized: < one full wave
+    const TuneConfig cfg = effective_config(small, !p.copy_passthrough, NEOX);
     // Heads per thread: as many as possible (reuse of cos/sin, fewer index computations) while
-    // keeping at least g_min_threads_per_sm threads per SM; decode-sized calls get one head each.
+    // keeping at least cfg.min_threads_per_sm threads per SM; decode-sized calls get one head each.
     const int64_t per_lane = tokens * CT;
-    const int64_t want = (int64_t)sms * g_min_threads_per_sm;
+    const int64_t want = (int64_t)sms * cfg.min_threads_per_sm;
     int64_t hl = Ht;
-    for (int64_t u = g_max_heads_per_thread; u >= 1; --u) {
+    for (int64_t u = cfg.max_heads_per_thread; u >= 1; --u) {
       const int64_t cand = (Ht + u - 1) / u;
       if (cand * per_lane >= want || u == 1) {
         hl = cand;
@@ -443,25 +606,51 @@ cudaError_t launch_typed(const RopeParams& p, int path, int num_sms, cudaStream_
     const int64_t total = per_lane * hl;
     const int64_t blocks = (total + kThreads - 1) / kThreads;
     if (CT > (1 << 30) || hl > (1 << 30) || blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
+    // One head per thread: the ROUNDS/1 kernel (fewest registers); else the configured variant.
+    const int v = hl >= Ht ? -1 : cfg.variant;
+    g_last_variant = v;
 #ifdef ROPE_HOST_EMULATION
     if (emulate) {
       for (long long g = 0; g < total; ++g) {
-        if (hl >= Ht) {
-          fast_thread<T, NEOX, 1>(p, (int)CR, (int)CT, (int)hl, g);
-        } else {
-          fast_thread<T, NEOX, kUnroll>(p, (int)CR, (int)CT, (int)hl, g);
+        switch (v) {
+#define ROPE_EMU_CASE(I)                                                                        \
+  case I:                                                                                      \
+    fast_thread<T, NEOX, kVariants[I].sched, kVariants[I].stage, kVariants[I].hint>(          \
+        p, (int)CR, (int)CT, (int)hl, g, (long long)total);                                    \
+    break;
+          ROPE_EMU_CASE(0)
+          ROPE_EMU_CASE(1)
+          ROPE_EMU_CASE(2)
+          ROPE_EMU_CASE(3)
+          ROPE_EMU_CASE(4)
+          ROPE_EMU_CASE(5)
+#undef ROPE_EMU_CASE
+          default:
+            fast_thread<T, NEOX, SCHED_ROUNDS, 1, HINT_CS>(p, (int)CR, (int)CT, (int)hl, g,
+                                                           (long long)total);
         }
       }
       return cudaSuccess;
     }
 #endif
     (void)emulate;
-    if (hl >= Ht) {
-      rope_fast_kernel<T, NEOX, 1><<<(unsigned)blocks, kThreads, 0, stream>>>(
-          p, (int)CR, (int)CT, (int)hl, (long long)total);
-    } else {
-      rope_fast_kernel<T, NEOX, kUnroll><<<(unsigned)blocks, kThreads, 0, stream>>>(
-          p, (int)CR, (int)CT, (int)hl, (long long)total);
+    switch (v) {
+#define ROPE_LAUNCH_CASE(I)                                                                      \
+  case I:                                                                                       \
+    rope_fast_kernel<T, NEOX, kVariants[I].sched, kVariants[I].stage, kVariants[I].hint>        \
+        <<<(unsigned)blocks, kThreads, 0, stream>>>(p, (int)CR, (int)CT, (int)hl,               \
+                                                     (long long)total);                         \
+    break;
+      ROPE_LAUNCH_CASE(0)
+      ROPE_LAUNCH_CASE(1)
+      ROPE_LAUNCH_CASE(2)
+      ROPE_LAUNCH_CASE(3)
+      ROPE_LAUNCH_CASE(4)
+      ROPE_LAUNCH_CASE(5)
+#undef ROPE_LAUNCH_CASE
+      default:
+        rope_fast_kernel<T, NEOX, SCHED_ROUNDS, 1, HINT_CS><<<(unsigned)blocks, kThreads, 0, stream>>>(
+            p, (int)CR, (int)CT, (int)hl, (long long)total);
     }
   } else {
     const int64_t per_head = p.R / 2 + ((p.copy_passthrough && p.D > p.R) ? p.D - p.R : 0);
@@ -526,3 +715,19 @@ extern "C" void rope_set_tuning(int max_heads_per_thread, int min_threads_per_sm
   if (max_heads_per_thread >= 1) rope_ops_cuda::g_max_heads_per_thread = max_heads_per_thread;
   if (min_threads_per_sm >= 1) rope_ops_cuda::g_min_threads_per_sm = min_threads_per_sm;
 }
+
+extern "C" void rope_set_config(int variant, int max_heads_per_thread, int min_threads_per_sm) {
+  rope_ops_cuda::g_variant =
+      variant >= 0 && variant < rope_ops_cuda::kNumVariants ? variant : -1;
+  rope_ops_cuda::g_max_heads_per_thread = max_heads_per_thread >= 1 ? max_heads_per_thread : -1;
+  rope_ops_cuda::g_min_threads_per_sm = min_threads_per_sm >= 1 ? min_threads_per_sm : -1;
+}
+
+extern "C" int rope_num_variants(void) { return rope_ops_cuda::kNumVariants; }
+
+extern "C" const char* rope_variant_name(int variant) {
+  if (variant < 0 || variant >= rope_ops_cuda::kNumVariants) return "rounds1/ld.cs (one head per thread)";
+  return rope_ops_cuda::kVariants[variant].name;
+}
+
+extern "C" int rope_last_variant(void) { return rope_ops_cuda::g_last_variant; }

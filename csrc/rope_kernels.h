@@ -64,8 +64,17 @@ cudaError_t rope_launch(const RopeParams* p, int num_sms, cudaStream_t stream);
 
 // Grid tuning (process-wide, not thread-safe; for benchmarks): the fast path gives each thread up
 // to max_heads_per_thread heads (default 8) while keeping >= min_threads_per_sm threads per SM
-// (default 4096). Values < 1 leave a knob unchanged.
+// (default 4096). Values < 1 leave a knob unchanged. Defaults per call class: kDefaultConfig.
 void rope_set_tuning(int max_heads_per_thread, int min_threads_per_sm);
+
+// Force a fast-path kernel variant (0 .. rope_num_variants()-1) and grid knobs for every call
+// (benchmarks, tests); -1 (or any value out of range, < 1 for the knobs) restores the per-class
+// defaults of kDefaultConfig in rope_kernels.cu. rope_last_variant(): the variant the last
+// fast-path launch used (-1: one head per thread, the ROUNDS/1 kernel).
+void rope_set_config(int variant, int max_heads_per_thread, int min_threads_per_sm);
+int rope_num_variants(void);
+const char* rope_variant_name(int variant);
+int rope_last_variant(void);
 
 #ifdef __cplusplus
 }

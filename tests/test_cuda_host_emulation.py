@@ -124,6 +124,12 @@ def lib(tmp_path_factory):
     so.rope_pick_path.restype = ctypes.c_int
     so.rope_set_tuning.argtypes = [ctypes.c_int, ctypes.c_int]
     so.rope_set_tuning.restype = None
+    so.rope_set_config.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    so.rope_set_config.restype = None
+    so.rope_num_variants.restype = ctypes.c_int
+    so.rope_last_variant.restype = ctypes.c_int
+    so.rope_variant_name.argtypes = [ctypes.c_int]
+    so.rope_variant_name.restype = ctypes.c_char_p
     return so
 
 
@@ -141,6 +147,10 @@ class EmulatedBackend:
         self.so = so
 
     def run(self, a):
+        made = None
+        if a.q_out is None:  # out of place, outputs allocated by the backend (as the C++ entry)
+            made = (torch.empty_like(a.q), None if a.k is None else torch.empty_like(a.k))
+            a = a._replace(q_out=made[0], k_out=made[1])
         p = params(q=a.q, k=a.k, q_out=a.q_out, k_out=a.k_out, layout=a.layout,
                    rotary_dim=a.rotary_dim, interleaved=a.interleaved, inplace=a.inplace,
                    cos=a.cos, sin=a.sin, pos=a.pos, pos_offset=a.pos_offset,
@@ -149,6 +159,7 @@ class EmulatedBackend:
         rc = self.so.rope_host_emulate(ctypes.byref(p), 132)  # an H200's SM count
         if rc != 0:
             raise RuntimeError(f"rope_host_emulate returned {rc}")
+        return made
 
 
 def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch):
@@ -169,15 +180,58 @@ def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch):
         def set_tuning(max_heads, min_threads):
             lib.rope_set_tuning(max_heads, min_threads)
 
-    rn = g.Runner(EmulatedBackend(lib), Tuning())
+        @staticmethod
+        def set_config(variant, max_heads, min_threads):
+            lib.rope_set_config(variant, max_heads, min_threads)
+
+        @staticmethod
+        def num_variants():
+            return lib.rope_num_variants()
+
+    used = set()
+    backend = EmulatedBackend(lib)
+    plain_run = backend.run
+
+    def run_recording(a):
+        made = plain_run(a)
+        used.add(lib.rope_last_variant())
+        return made
+
+    backend.run = run_recording
+    rn = g.Runner(backend, Tuning())
     try:
         g.accuracy(rn)
     finally:
-        lib.rope_set_tuning(8, 4096)
+        lib.rope_set_config(-1, -1, -1)
     assert rn.count > 250
     assert not rn.failures, "\n".join(rn.failures[:20])
     paths = list(rn.paths.values())
     assert paths.count(1) > 150 and paths.count(2) > 50, (paths.count(1), paths.count(2))
+    # every fast-kernel variant (and the one-head-per-thread kernel, -1) ran
+    assert used >= set(range(-1, lib.rope_num_variants())), sorted(used)
+
+
+def test_variant_selection(lib):
+    """rope_set_config forces a variant for several-heads-per-thread grids; one head per thread
+    always takes the ROUNDS/1 kernel (-1); -1 restores the class defaults."""
+    q = torch.randn(1, 40, 6, 64).to(torch.bfloat16)
+    q_out = torch.empty_like(q)
+    cos = torch.randn(64, 32)
+    n = lib.rope_num_variants()
+    assert n >= 2
+    try:
+        for v in range(n):
+            lib.rope_set_config(v, 3, 1)
+            p = params(q=q, k=None, q_out=q_out, k_out=None, layout="bshd",
+                       rotary_dim=64, interleaved=False, inplace=False, cos=cos, sin=cos)
+            assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
+            assert lib.rope_last_variant() == v
+            assert lib.rope_variant_name(v)
+        lib.rope_set_config(-1, -1, -1)  # decode-sized call with the defaults: one head per thread
+        assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
+        assert lib.rope_last_variant() == -1
+    finally:
+        lib.rope_set_config(-1, -1, -1)
 
 
 def test_invalid_params_are_refused(lib):
