@@ -324,7 +324,8 @@ def test_odd_sizes(style):
 
 
 @pytest.mark.parametrize("cfg", [(1, 32, 8, False), (1, 2, 1, True), (2, 4, 2, True),
-                                 (2, 2, 1, False), (4, 16, 4, False)], ids=str)
+                                 (2, 2, 1, False), (4, 16, 4, False), (2, 4, 2, True, True),
+                                 (2, 2, 1, False, True)], ids=str)
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 def test_forced_block_configs(cfg, style, monkeypatch):
     # Every kernel path the sweep (tools/gpu_triton_check.py) can select: the per-token-block

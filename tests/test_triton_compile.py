@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent(r'''
           torch.int32: "i32", torch.int64: "i64"}
     CONSTS = ("HQ", "HK", "HEAD_DIM", "ROTARY_DIM", "HALF_P", "PASS_P", "BLOCK_T", "BLOCK_H",
               "INTERLEAVED", "INVERSE", "COPY_PASS", "HAS_POS", "HAS_TURNS", "D_CONTIG",
-              "LIBDEVICE", "EARLY", "HEAD_GRID", "TOK_SPLIT")
+              "LIBDEVICE", "EARLY", "HEAD_GRID", "TOK_SPLIT", "STREAM")
     INTS = ("n_tokens", "seq_len", "n_rows", "sq_b", "sq_s", "sq_h", "sq_d", "sk_b", "sk_s",
             "sk_h", "sk_d", "sqo_b", "sqo_s", "sqo_h", "sqo_d", "sko_b", "sko_s", "sko_h",
             "sko_d", "sp_b", "sp_s")
@@ -113,8 +113,8 @@ SCRIPT = textwrap.dedent(r'''
     bad = []
     for name, args in cases.items():
         ptx = compile_for(args).asm["ptx"]
-        v4 = len(re.findall(r"(?:ld|st)\.global(?:\.\w+)*\.v4\.b32", ptx))
-        scalar16 = len(re.findall(r"(?:ld|st)\.global(?:\.\w+)*\.b16", ptx))
+        v4 = len(re.findall(r"(?:ld|st)\.global(?:\.[\w:]+)*\.v4\.b32", ptx))
+        scalar16 = len(re.findall(r"(?:ld|st)\.global(?:\.[\w:]+)*\.b16", ptx))
         print(f"{name}: {v4} 16-byte accesses, {scalar16} 2-byte accesses")
         if name in vectorized and (v4 == 0 or scalar16):
             bad.append(name)

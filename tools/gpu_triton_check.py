@@ -438,8 +438,9 @@ def sweep(w: Work, backend_cls, configs, inplace=False, deadline=170.0):
     return out
 
 
-# Configurations swept per workload, (BLOCK_T, BLOCK_H, num_warps[, head_grid]); head_grid True
-# = one program per (token block, head chunk). The backend's default is added in front.
+# Configurations swept per workload, (BLOCK_T, BLOCK_H, num_warps[, head_grid[, stream]]);
+# head_grid True = one program per (token block, head chunk); stream True = evict_first loads
+# and .cs stores. The backend's default is added in front.
 # Prefill candidates differ mostly in how many bytes each SM keeps in flight: CTAs per SM (by
 # registers: sm_90 offline, triton 3.9) x chunks in flight x chunk bytes. W4: (4, 16, 8) 102
 # regs, 2 CTAs, 64 KB; the old (2, 16, 8) 96 regs, 2 CTAs, 32 KB; (2, 16, 4) and (1, 32, 4)
@@ -447,19 +448,23 @@ def sweep(w: Work, backend_cls, configs, inplace=False, deadline=170.0):
 SWEEPS = {
     "W2": [(1, 32, 8), (1, 8, 2, True), (1, 8, 1, True), (1, 16, 2, True), (1, 32, 8, True),
            (1, 4, 1, True)],
-    "W4": [(2, 16, 8), (2, 16, 4), (1, 32, 4), (2, 8, 2), (2, 8, 1), (8, 16, 8, True)],
-    "W1": [(4, 8, 8), (2, 16, 4), (2, 8, 2), (2, 8, 1)],
-    "W3 in place": [(4, 16, 8), (8, 16, 8), (2, 16, 4), (2, 16, 2)],
+    "W4": [(4, 16, 8, False, True), (2, 16, 8), (2, 16, 4), (2, 16, 4, False, True), (1, 32, 4),
+           (2, 8, 2), (2, 8, 1), (8, 16, 8, True)],
+    "W1": [(4, 16, 8, False, True), (4, 8, 8), (2, 16, 4), (2, 8, 2), (2, 8, 1)],
+    "W3 in place": [(4, 16, 4, False, True), (4, 16, 8), (8, 16, 8), (2, 16, 4), (2, 16, 2)],
 }
 
 
-def default_cfg(w: Work, inplace=False):
-    cfg = tb._pick_blocks(w.B * w.S, w.hq, w.hk, w.D, w.R, (not inplace) and w.R < w.D)
-    return tuple(cfg) if len(cfg) > 3 and cfg[3] else tuple(cfg[:3])
-
-
 def norm_cfg(cfg):
-    return tuple(cfg) if len(cfg) > 3 and cfg[3] else tuple(cfg[:3])
+    """The tuple without trailing False flags: (4, 16, 8, False, False) -> (4, 16, 8)."""
+    c = list(cfg)
+    while len(c) > 3 and not c[-1]:
+        c.pop()
+    return tuple(c)
+
+
+def default_cfg(w: Work, inplace=False):
+    return norm_cfg(tb._pick_blocks(w.B * w.S, w.hq, w.hk, w.D, w.R, (not inplace) and w.R < w.D))
 
 
 def main():
@@ -595,7 +600,7 @@ def main():
     best_lines = []
     for name, (dflt, res) in sweeps.items():
         copy_us = COPY_US.get(name)
-        print(f"sweep {name} (BLOCK_T, BLOCK_H, num_warps[, head_grid]) -> us"
+        print(f"sweep {name} (BLOCK_T, BLOCK_H, num_warps[, head_grid[, stream]]) -> us"
               f"{', % of same-bytes copy time' if copy_us else ''}; default {dflt}:")
         for cfg, us, note in res:
             pct = f"  {copy_us / us * 100:5.1f}%" if (copy_us and us) else ""

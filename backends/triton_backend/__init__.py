@@ -39,10 +39,11 @@ def _warps_for(elems_half: int) -> int:
 
 def _pick_blocks(n_tokens: int, hq: int, hk: int, head_dim: int, rotary_dim: int,
                  copy_pass: bool) -> tuple:
-    """(BLOCK_T, BLOCK_H, num_warps[, head_grid]) for one shape class.
+    """(BLOCK_T, BLOCK_H, num_warps[, head_grid[, stream]]) for one shape class.
 
     head_grid (default False): one program per (token block, head chunk) instead of one per
-    token block walking all chunks.
+    token block walking all chunks. stream (default False): streaming cache hints on the q/k
+    loads (evict_first) and stores (.cs). The GPU check's sweep passes these tuples directly.
     """
     half_p = _next_pow2(rotary_dim // 2)
     rot_p = 2 * half_p
@@ -263,6 +264,7 @@ class TritonBackend(Backend):
         cfg = _pick_blocks(n_tokens, hq, hk, head_dim, rotary_dim, copy_pass)
         block_t, block_h, num_warps = cfg[:3]
         head_grid = bool(cfg[3]) if len(cfg) > 3 else False
+        stream = bool(cfg[4]) if len(cfg) > 4 else False
         sq = list(q4.stride())
         sqo = list(qo4.stride())
         sk = list(k4.stride()) if k4 is not None else [0, 0, 0, 1]
@@ -295,6 +297,7 @@ class TritonBackend(Backend):
             2 if block_t == 1 else 1,  # EARLY: decode loads q and k chunks before the position
             head_grid,
             1 if batch == 1 else (2 if seq == 1 else 0),  # TOK_SPLIT: token -> (b, s) division-free
+            stream,  # STREAM: q/k loads evict_first, stores .cs (streaming cache hints)
         )
         n_chunks = -(-hq // block_h) + -(-hk // block_h)
         grid = (-(-n_tokens // block_t) * (n_chunks if head_grid else 1), 1, 1)

@@ -36,7 +36,7 @@ def _chunk_offsets(row_off, h, s_h, d, s_d, D_CONTIG: tl.constexpr):
 @triton.jit
 def _load_chunk(ptr, row_off, tmask, h0, n_heads, s_h, s_d,
                 BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
-                INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr):
+                INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr, STREAM: tl.constexpr):
     """The rotary pairs (x, y) of heads [h0, h0 + BLOCK_H), [BT, BH, HALF_P] each, in the input
     dtype (converted to float32 when rotated, so a prefetched chunk holds half the registers)."""
     h = h0 + tl.arange(0, BLOCK_H)
@@ -44,25 +44,29 @@ def _load_chunk(ptr, row_off, tmask, h0, n_heads, s_h, s_d,
     if INTERLEAVED:
         d = tl.arange(0, 2 * HALF_P)
         m = tmask[:, None, None] & hmask[None, :, None] & (d < 2 * HALF)[None, None, :]
-        xy = tl.load(ptr + _chunk_offsets(row_off, h, s_h, d, s_d, D_CONTIG), mask=m, other=0.0)
+        xy = tl.load(ptr + _chunk_offsets(row_off, h, s_h, d, s_d, D_CONTIG), mask=m, other=0.0,
+                     eviction_policy="evict_first" if STREAM else "")
         xy = tl.reshape(xy, [BLOCK_T, BLOCK_H, HALF_P, 2])
         x, y = tl.split(xy)
     else:
         i = tl.arange(0, HALF_P)
         m = tmask[:, None, None] & hmask[None, :, None] & (i < HALF)[None, None, :]
         off = _chunk_offsets(row_off, h, s_h, i, s_d, D_CONTIG)
-        x = tl.load(ptr + off, mask=m, other=0.0)
+        x = tl.load(ptr + off, mask=m, other=0.0,
+                     eviction_policy="evict_first" if STREAM else "")
         if D_CONTIG:
-            y = tl.load(ptr + off + HALF, mask=m, other=0.0)
+            y = tl.load(ptr + off + HALF, mask=m, other=0.0,
+                     eviction_policy="evict_first" if STREAM else "")
         else:
-            y = tl.load(ptr + off + HALF * s_d, mask=m, other=0.0)
+            y = tl.load(ptr + off + HALF * s_d, mask=m, other=0.0,
+                     eviction_policy="evict_first" if STREAM else "")
     return x, y
 
 
 @triton.jit
 def _rotate_store(x, y, c, s, out_ptr, row_off, tmask, h0, n_heads, s_h, s_d,
                   BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
-                  INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr):
+                  INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr, STREAM: tl.constexpr):
     """Rotate the pairs by (c, s) [BT, HALF_P] in float32 and store them rounded once."""
     c3 = c[:, None, :]
     s3 = s[:, None, :]
@@ -77,16 +81,20 @@ def _rotate_store(x, y, c, s, out_ptr, row_off, tmask, h0, n_heads, s_h, s_d,
         d = tl.arange(0, 2 * HALF_P)
         m = tmask[:, None, None] & hmask[None, :, None] & (d < 2 * HALF)[None, None, :]
         xy = tl.reshape(tl.join(xo, yo), [BLOCK_T, BLOCK_H, 2 * HALF_P])
-        tl.store(out_ptr + _chunk_offsets(row_off, h, s_h, d, s_d, D_CONTIG), xy.to(dtype), mask=m)
+        tl.store(out_ptr + _chunk_offsets(row_off, h, s_h, d, s_d, D_CONTIG), xy.to(dtype), mask=m,
+                 cache_modifier=".cs" if STREAM else "")
     else:
         i = tl.arange(0, HALF_P)
         m = tmask[:, None, None] & hmask[None, :, None] & (i < HALF)[None, None, :]
         off = _chunk_offsets(row_off, h, s_h, i, s_d, D_CONTIG)
-        tl.store(out_ptr + off, xo.to(dtype), mask=m)
+        tl.store(out_ptr + off, xo.to(dtype), mask=m,
+                 cache_modifier=".cs" if STREAM else "")
         if D_CONTIG:
-            tl.store(out_ptr + off + HALF, yo.to(dtype), mask=m)
+            tl.store(out_ptr + off + HALF, yo.to(dtype), mask=m,
+                 cache_modifier=".cs" if STREAM else "")
         else:
-            tl.store(out_ptr + off + HALF * s_d, yo.to(dtype), mask=m)
+            tl.store(out_ptr + off + HALF * s_d, yo.to(dtype), mask=m,
+                 cache_modifier=".cs" if STREAM else "")
 
 
 @triton.jit
@@ -110,14 +118,14 @@ def _copy_pass(in_ptr, out_ptr, row_in, row_out, tmask, h0, n_heads, si_h, si_d,
 def _load_nth(ci: tl.constexpr, NQC: tl.constexpr, q_ptr, row_q, sq_h, sq_d, HQ, k_ptr, row_k,
               sk_h, sk_d, HK, tmask, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
               HALF: tl.constexpr, HALF_P: tl.constexpr, INTERLEAVED: tl.constexpr,
-              D_CONTIG: tl.constexpr):
+              D_CONTIG: tl.constexpr, STREAM: tl.constexpr):
     """Chunk ci of the q chunks followed by the k chunks."""
     if ci < NQC:
         x, y = _load_chunk(q_ptr, row_q, tmask, ci * BLOCK_H, HQ, sq_h, sq_d,
-                           BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+                           BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG, STREAM)
     else:
         x, y = _load_chunk(k_ptr, row_k, tmask, (ci - NQC) * BLOCK_H, HK, sk_h, sk_d,
-                           BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+                           BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG, STREAM)
     return x, y
 
 
@@ -169,14 +177,14 @@ def _one_chunk(in_ptr, out_ptr, row_in, row_out, h0, n_heads, si_h, si_d, so_h, 
                HALF_P: tl.constexpr, ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
                PASS_P: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
                COPY_PASS: tl.constexpr, HAS_POS: tl.constexpr, HAS_TURNS: tl.constexpr,
-               D_CONTIG: tl.constexpr, LIBDEVICE: tl.constexpr):
+               D_CONTIG: tl.constexpr, LIBDEVICE: tl.constexpr, STREAM: tl.constexpr):
     """A whole program of the head grid: one chunk, its loads issued before the position."""
     x, y = _load_chunk(in_ptr, row_in, tmask, h0, n_heads, si_h, si_d,
-                       BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+                       BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG, STREAM)
     c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s, pos_offset,
                     n_rows, attn_factor, HALF, HALF_P, HAS_POS, HAS_TURNS, LIBDEVICE, INVERSE)
     _rotate_store(x, y, c, s, out_ptr, row_out, tmask, h0, n_heads, so_h, so_d,
-                  BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+                  BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG, STREAM)
     if COPY_PASS:
         _copy_pass(in_ptr, out_ptr, row_in, row_out, tmask, h0, n_heads, si_h, si_d, so_h, so_d,
                    BLOCK_H, ROTARY_DIM, HEAD_DIM, PASS_P, D_CONTIG)
@@ -196,7 +204,7 @@ def rope_kernel(
     INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, COPY_PASS: tl.constexpr,
     HAS_POS: tl.constexpr, HAS_TURNS: tl.constexpr, D_CONTIG: tl.constexpr,
     LIBDEVICE: tl.constexpr, EARLY: tl.constexpr, HEAD_GRID: tl.constexpr,
-    TOK_SPLIT: tl.constexpr,
+    TOK_SPLIT: tl.constexpr, STREAM: tl.constexpr,
 ):
     HALF: tl.constexpr = ROTARY_DIM // 2
     NQC: tl.constexpr = (HQ + BLOCK_H - 1) // BLOCK_H
@@ -231,22 +239,22 @@ def rope_kernel(
                        pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s,
                        pos_offset, n_rows, attn_factor, BLOCK_T, BLOCK_H, HALF, HALF_P,
                        ROTARY_DIM, HEAD_DIM, PASS_P, INTERLEAVED, INVERSE, COPY_PASS, HAS_POS,
-                       HAS_TURNS, D_CONTIG, LIBDEVICE)
+                       HAS_TURNS, D_CONTIG, LIBDEVICE, STREAM)
         else:
             _one_chunk(k_ptr, ko_ptr, row_k, row_ko, (ci - NQC) * BLOCK_H, HK, sk_h, sk_d, sko_h,
                        sko_d, pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s,
                        pos_offset, n_rows, attn_factor, BLOCK_T, BLOCK_H, HALF, HALF_P,
                        ROTARY_DIM, HEAD_DIM, PASS_P, INTERLEAVED, INVERSE, COPY_PASS, HAS_POS,
-                       HAS_TURNS, D_CONTIG, LIBDEVICE)
+                       HAS_TURNS, D_CONTIG, LIBDEVICE, STREAM)
         return
 
     # The first chunk (EARLY = 2: the first two) is loaded before the position, so its latency
     # overlaps the position -> cos/sin chain.
     x, y = _load_nth(0, NQC, q_ptr, row_q, sq_h, sq_d, HQ, k_ptr, row_k, sk_h, sk_d, HK, tmask,
-                     BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+                     BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG, STREAM)
     if EARLY > 1 and NC > 1:
         xn, yn = _load_nth(1, NQC, q_ptr, row_q, sq_h, sq_d, HQ, k_ptr, row_k, sk_h, sk_d, HK,
-                           tmask, BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+                           tmask, BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG, STREAM)
 
     c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s, pos_offset,
                     n_rows, attn_factor, HALF, HALF_P, HAS_POS, HAS_TURNS, LIBDEVICE, INVERSE)
@@ -256,18 +264,18 @@ def rope_kernel(
         if ci + 1 < NC and not (EARLY > 1 and ci == 0):
             xn, yn = _load_nth(ci + 1, NQC, q_ptr, row_q, sq_h, sq_d, HQ, k_ptr, row_k, sk_h,
                                sk_d, HK, tmask, BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED,
-                               D_CONTIG)
+                               D_CONTIG, STREAM)
         if ci < NQC:
             h0 = ci * BLOCK_H
             _rotate_store(x, y, c, s, qo_ptr, row_qo, tmask, h0, HQ, sqo_h, sqo_d,
-                          BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+                          BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG, STREAM)
             if COPY_PASS:
                 _copy_pass(q_ptr, qo_ptr, row_q, row_qo, tmask, h0, HQ, sq_h, sq_d, sqo_h, sqo_d,
                            BLOCK_H, ROTARY_DIM, HEAD_DIM, PASS_P, D_CONTIG)
         else:
             h0 = (ci - NQC) * BLOCK_H
             _rotate_store(x, y, c, s, ko_ptr, row_ko, tmask, h0, HK, sko_h, sko_d,
-                          BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG)
+                          BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG, STREAM)
             if COPY_PASS:
                 _copy_pass(k_ptr, ko_ptr, row_k, row_ko, tmask, h0, HK, sk_h, sk_d, sko_h, sko_d,
                            BLOCK_H, ROTARY_DIM, HEAD_DIM, PASS_P, D_CONTIG)
