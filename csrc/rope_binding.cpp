@@ -9,6 +9,7 @@
 // on its own (they never look at data and never synchronize).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
 #include <torch/library.h>
 
 #include <cuda_runtime_api.h>
@@ -78,15 +79,32 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const Canon& ca, const
               "rope_ops_cuda::rope: ", name, " has a different shape from its input");
 }
 
-void rope_cuda(const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& q_out,
-               const std::optional<at::Tensor>& k_out, const std::optional<at::Tensor>& pos,
-               int64_t pos_offset, const at::Tensor& cos, const at::Tensor& sin,
-               const std::optional<at::Tensor>& freq_turns, double attention_factor,
-               int64_t layout, int64_t rotary_dim, bool interleaved, bool inverse, bool inplace) {
+int sm_count(int device) {
+  static std::array<int, 64> sm_cache{};  // multiprocessor count per device, 0: not yet known
+  int sms = device >= 0 && device < 64 ? sm_cache[device] : 0;
+  if (sms == 0) {
+    TORCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess,
+                "rope_ops_cuda::rope: cannot read the multiprocessor count of device ", device);
+    if (device >= 0 && device < 64) sm_cache[device] = sms;
+  }
+  return sms;
+}
+
+// Fills RopeParams from the tensors and launches on the current stream of q's device.
+// k and k_out may be undefined tensors (no k).
+void rope_core(const at::Tensor& q, const at::Tensor* k, const at::Tensor& q_out,
+               const at::Tensor* k_out, const at::Tensor* pos, int64_t pos_offset,
+               const at::Tensor& cos, const at::Tensor& sin, const at::Tensor* freq_turns,
+               double attention_factor, int64_t layout, int64_t rotary_dim, bool interleaved,
+               bool inverse, bool inplace) {
   TORCH_CHECK(layout >= 0 && layout <= 3, "rope_ops_cuda::rope: layout code ", layout,
               " not in 0..3 (bshd, sbhd, bhsd, thd)");
   TORCH_CHECK(q.is_cuda(), "rope_ops_cuda::rope: q must be a CUDA tensor");
-  const c10::cuda::CUDAGuard guard(q.device());
+  const int device = q.get_device();
+  // No device switch when q is on the current device (the usual case): the guard is only built
+  // when needed.
+  std::optional<c10::cuda::CUDAGuard> guard;
+  if (device != c10::cuda::current_device()) guard.emplace(q.device());
 
   RopeParams p{};
   p.dtype = dtype_code(q.scalar_type());
@@ -104,9 +122,9 @@ void rope_cuda(const at::Tensor& q, const std::optional<at::Tensor>& k, const at
   p.Hq = cq.H;
   p.D = cq.D;
 
-  const bool has_k = k.has_value() && k->defined();
+  const bool has_k = k != nullptr && k->defined();
   if (has_k) {
-    TORCH_CHECK(k_out.has_value() && k_out->defined(), "rope_ops_cuda::rope: k given without k_out");
+    TORCH_CHECK(k_out != nullptr && k_out->defined(), "rope_ops_cuda::rope: k given without k_out");
     const Canon ck = canon(*k, layout, "k");
     const Canon cko = canon(*k_out, layout, "k_out");
     check_same(*k, *k_out, ck, cko, "k_out");
@@ -130,7 +148,7 @@ void rope_cuda(const at::Tensor& q, const std::optional<at::Tensor>& k, const at
   p.inverse = inverse ? 1 : 0;
   p.copy_passthrough = inplace ? 0 : 1;
 
-  if (pos.has_value() && pos->defined()) {
+  if (pos != nullptr && pos->defined()) {
     const at::Tensor& t = *pos;
     TORCH_CHECK(t.device() == q.device(), "rope_ops_cuda::rope: pos must be on q's device");
     TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong,
@@ -162,7 +180,7 @@ void rope_cuda(const at::Tensor& q, const std::optional<at::Tensor>& k, const at
   p.cos_table = cos.data_ptr<float>();
   p.sin_table = sin.data_ptr<float>();
   p.table_rows = cos.size(0);
-  if (freq_turns.has_value() && freq_turns->defined()) {
+  if (freq_turns != nullptr && freq_turns->defined()) {
     const at::Tensor& f = *freq_turns;
     TORCH_CHECK(f.scalar_type() == at::kLong && f.is_contiguous() && f.numel() == rotary_dim / 2 &&
                     f.device() == q.device(),
@@ -172,18 +190,55 @@ void rope_cuda(const at::Tensor& q, const std::optional<at::Tensor>& k, const at
   }
   p.attention_factor = static_cast<float>(attention_factor);
 
-  const int device = q.get_device();
-  static std::array<int, 64> sm_cache{};  // multiprocessor count per device, 0: not yet known
-  int sms = device >= 0 && device < 64 ? sm_cache[device] : 0;
-  if (sms == 0) {
-    TORCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess,
-                "rope_ops_cuda::rope: cannot read the multiprocessor count of device ", device);
-    if (device >= 0 && device < 64) sm_cache[device] = sms;
-  }
+  const int sms = sm_count(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   const cudaError_t err = rope_launch(&p, sms, stream);
   TORCH_CHECK(err == cudaSuccess, "rope_ops_cuda::rope: kernel launch failed: ",
               cudaGetErrorString(err));
+}
+
+const at::Tensor* opt_ptr(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? &*t : nullptr;
+}
+
+// The dispatcher op (torch.compile, torch.ops users): writes into q_out / k_out.
+void rope_cuda(const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& q_out,
+               const std::optional<at::Tensor>& k_out, const std::optional<at::Tensor>& pos,
+               int64_t pos_offset, const at::Tensor& cos, const at::Tensor& sin,
+               const std::optional<at::Tensor>& freq_turns, double attention_factor,
+               int64_t layout, int64_t rotary_dim, bool interleaved, bool inverse, bool inplace) {
+  rope_core(q, opt_ptr(k), q_out, opt_ptr(k_out), opt_ptr(pos), pos_offset, cos, sin,
+            opt_ptr(freq_turns), attention_factor, layout, rotary_dim, interleaved, inverse,
+            inplace);
+}
+
+// The eager entry (pybind11, no dispatcher): same arguments, but q_out may be None (out of
+// place): then the outputs are allocated here (empty_like: same layout as the inputs) and
+// returned as (q_out, k_out); otherwise it writes into the given outputs and returns None.
+// Not traceable: CudaBackend.run uses the op under torch.compile.
+py::object rope_eager(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                      const std::optional<at::Tensor>& q_out,
+                      const std::optional<at::Tensor>& k_out, const std::optional<at::Tensor>& pos,
+                      int64_t pos_offset, const at::Tensor& cos, const at::Tensor& sin,
+                      const std::optional<at::Tensor>& freq_turns, double attention_factor,
+                      int64_t layout, int64_t rotary_dim, bool interleaved, bool inverse,
+                      bool inplace) {
+  const at::Tensor* kp = opt_ptr(k);
+  if (q_out.has_value() && q_out->defined()) {
+    rope_core(q, kp, *q_out, opt_ptr(k_out), opt_ptr(pos), pos_offset, cos, sin,
+              opt_ptr(freq_turns), attention_factor, layout, rotary_dim, interleaved, inverse,
+              inplace);
+    return py::none();
+  }
+  TORCH_CHECK(!inplace, "rope_ops_cuda: in place needs q_out (q itself)");
+  at::Tensor qo = at::empty_like(q);
+  at::Tensor ko;
+  if (kp != nullptr) ko = at::empty_like(*kp);
+  rope_core(q, kp, qo, kp != nullptr ? &ko : nullptr, opt_ptr(pos), pos_offset, cos, sin,
+            opt_ptr(freq_turns), attention_factor, layout, rotary_dim, interleaved, inverse,
+            inplace);
+  if (kp == nullptr) return py::make_tuple(qo, py::none());
+  return py::make_tuple(qo, ko);
 }
 
 // Meta / fake implementation: the op only writes into q_out / k_out, which already exist.
@@ -195,6 +250,14 @@ void rope_meta(const at::Tensor&, const std::optional<at::Tensor>&, const at::Te
 void set_tuning(int64_t max_heads_per_thread, int64_t min_threads_per_sm) {
   rope_set_tuning(static_cast<int>(max_heads_per_thread), static_cast<int>(min_threads_per_sm));
 }
+
+void set_config(int64_t variant, int64_t max_heads_per_thread, int64_t min_threads_per_sm) {
+  rope_set_config(static_cast<int>(variant), static_cast<int>(max_heads_per_thread),
+                  static_cast<int>(min_threads_per_sm));
+}
+
+int64_t num_variants() { return rope_num_variants(); }
+int64_t last_variant() { return rope_last_variant(); }
 
 int64_t pick_path(const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& q_out,
                   const std::optional<at::Tensor>& k_out, int64_t layout, int64_t rotary_dim,
@@ -242,10 +305,16 @@ TORCH_LIBRARY(rope_ops_cuda, m) {
       "Tensor cos, Tensor sin, Tensor? freq_turns, float attention_factor, int layout, "
       "int rotary_dim, bool interleaved, bool inverse, bool inplace) -> ()");
   m.def("set_tuning(int max_heads_per_thread, int min_threads_per_sm) -> ()");
+  m.def("set_config(int variant, int max_heads_per_thread, int min_threads_per_sm) -> ()");
+  m.def("num_variants() -> int");
+  m.def("last_variant() -> int");
   m.def(
       "pick_path(Tensor q, Tensor? k, Tensor q_out, Tensor? k_out, int layout, int rotary_dim, "
       "bool interleaved, bool inplace, Tensor cos) -> int");
   m.impl("set_tuning", &set_tuning);
+  m.impl("set_config", &set_config);
+  m.impl("num_variants", &num_variants);
+  m.impl("last_variant", &last_variant);
 }
 
 TORCH_LIBRARY_IMPL(rope_ops_cuda, CUDA, m) {
@@ -254,3 +323,14 @@ TORCH_LIBRARY_IMPL(rope_ops_cuda, CUDA, m) {
 }
 
 TORCH_LIBRARY_IMPL(rope_ops_cuda, Meta, m) { m.impl("rope", &rope_meta); }
+
+#ifndef TORCH_EXTENSION_NAME  // defined by torch.utils.cpp_extension; for the syntax check only
+#define TORCH_EXTENSION_NAME rope_ops_cuda_ext
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope", &rope_eager,
+        "rope(q, k, q_out, k_out, pos, pos_offset, cos, sin, freq_turns, attention_factor, "
+        "layout, rotary_dim, interleaved, inverse, inplace) -> None | (q_out, k_out)");
+  m.def("variant_name", [](int v) { return std::string(rope_variant_name(v)); });
+}

@@ -47,7 +47,11 @@ class CpuEmulatedCudaBackend(CudaBackend):
     def availability(self) -> list[str]:
         return []
 
-    def run(self, args) -> None:
+    def run(self, args):
+        made = None
+        if args.q_out is None:  # allocates_outputs (inherited): allocate as the C++ entry does
+            made = (torch.empty_like(args.q), None if args.k is None else torch.empty_like(args.k))
+            args = args._replace(q_out=made[0], k_out=made[1])
         pos = args.pos
         p = _emu.params(q=args.q, k=args.k, q_out=args.q_out, k_out=args.k_out,
                         layout=args.layout, rotary_dim=args.rotary_dim,
@@ -59,6 +63,7 @@ class CpuEmulatedCudaBackend(CudaBackend):
         if rc != 0:
             raise RuntimeError(f"rope_host_emulate returned {rc}")
         self.calls += 1
+        return made
 
 
 class TestCudaKernelsOnCpu(RopeConformance):
