@@ -439,12 +439,13 @@ def sweep(w: Work, backend_cls, configs, inplace=False, deadline=170.0):
 
 
 # Configurations swept per workload, (BLOCK_T, BLOCK_H, num_warps[, head_grid[, stream]]);
-# head_grid True = one program per (token block, head chunk); stream True = evict_first loads
+# head_grid True = one program per (token block, head chunk); stream True = .cg loads
 # and .cs stores. The backend's default is added in front.
 # Prefill candidates differ mostly in how many bytes each SM keeps in flight: CTAs per SM (by
-# registers: sm_90 offline, triton 3.9) x chunks in flight x chunk bytes. W4: (4, 16, 8) 102
-# regs, 2 CTAs, 64 KB; the old (2, 16, 8) 96 regs, 2 CTAs, 32 KB; (2, 16, 4) and (1, 32, 4)
-# 96 regs, 5 CTAs, 80 KB; (2, 8, 2) 8 CTAs, 64 KB; (2, 8, 1) 11 CTAs, 88 KB.
+# registers; sm_90 offline with triton 3.6, the H200's) x 2 chunks in flight x chunk bytes.
+# W4: old (2, 16, 8) 80 regs, 3 CTAs, 48 KB (W1's old (4, 8, 8): 61 regs, 4 CTAs, 64 KB: hence
+# W4 88 % vs W1 92 %); (4, 16, 8) 79 regs, 3 CTAs, 96 KB; (2, 16, 4) 78 regs, 6 CTAs, 96 KB;
+# (1, 32, 4) 87 regs, 5 CTAs, 80 KB; (2, 8, 2) 102 regs, 9 CTAs, 72 KB.
 SWEEPS = {
     "W2": [(1, 32, 8), (1, 8, 2, True), (1, 8, 1, True), (1, 16, 2, True), (1, 32, 8, True),
            (1, 4, 1, True)],

@@ -45,7 +45,7 @@ def _load_chunk(ptr, row_off, tmask, h0, n_heads, s_h, s_d,
         d = tl.arange(0, 2 * HALF_P)
         m = tmask[:, None, None] & hmask[None, :, None] & (d < 2 * HALF)[None, None, :]
         xy = tl.load(ptr + _chunk_offsets(row_off, h, s_h, d, s_d, D_CONTIG), mask=m, other=0.0,
-                     eviction_policy="evict_first" if STREAM else "")
+                     cache_modifier=".cg" if STREAM else "")
         xy = tl.reshape(xy, [BLOCK_T, BLOCK_H, HALF_P, 2])
         x, y = tl.split(xy)
     else:
@@ -53,13 +53,13 @@ def _load_chunk(ptr, row_off, tmask, h0, n_heads, s_h, s_d,
         m = tmask[:, None, None] & hmask[None, :, None] & (i < HALF)[None, None, :]
         off = _chunk_offsets(row_off, h, s_h, i, s_d, D_CONTIG)
         x = tl.load(ptr + off, mask=m, other=0.0,
-                     eviction_policy="evict_first" if STREAM else "")
+                     cache_modifier=".cg" if STREAM else "")
         if D_CONTIG:
             y = tl.load(ptr + off + HALF, mask=m, other=0.0,
-                     eviction_policy="evict_first" if STREAM else "")
+                     cache_modifier=".cg" if STREAM else "")
         else:
             y = tl.load(ptr + off + HALF * s_d, mask=m, other=0.0,
-                     eviction_policy="evict_first" if STREAM else "")
+                     cache_modifier=".cg" if STREAM else "")
     return x, y
 
 
