@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent(r'''
           torch.int32: "i32", torch.int64: "i64"}
     CONSTS = ("HQ", "HK", "HEAD_DIM", "ROTARY_DIM", "HALF_P", "PASS_P", "BLOCK_T", "BLOCK_H",
               "INTERLEAVED", "INVERSE", "COPY_PASS", "HAS_POS", "HAS_TURNS", "D_CONTIG",
-              "LIBDEVICE", "EARLY", "HEAD_GRID", "TOK_SPLIT", "STREAM")
+              "LIBDEVICE", "EARLY", "HEAD_GRID", "TOK_SPLIT", "STREAM", "PDL")
     INTS = ("n_tokens", "seq_len", "n_rows", "sq_b", "sq_s", "sq_h", "sq_d", "sk_b", "sk_s",
             "sk_h", "sk_d", "sqo_b", "sqo_s", "sqo_h", "sqo_d", "sko_b", "sko_s", "sko_h",
             "sko_d", "sp_b", "sp_s")

@@ -39,12 +39,12 @@ def _warps_for(elems_half: int) -> int:
 
 def _pick_blocks(n_tokens: int, hq: int, hk: int, head_dim: int, rotary_dim: int,
                  copy_pass: bool) -> tuple:
-    """(BLOCK_T, BLOCK_H, num_warps[, head_grid[, stream]]) for one shape class.
+    """(BLOCK_T, BLOCK_H, num_warps[, head_grid[, stream[, pdl]]]) for one shape class.
 
     head_grid (default False): one program per (token block, head chunk) instead of one per
     token block walking all chunks. stream (default False): streaming cache hints on the q/k
-    loads (.cg: not kept in L1) and stores (.cs: evict first). The GPU check's sweep passes
-    these tuples directly.
+    loads (.cg: not kept in L1) and stores (.cs: evict first). pdl (default False, GPU only):
+    programmatic dependent launch. The GPU check's sweep passes these tuples directly.
     """
     half_p = _next_pow2(rotary_dim // 2)
     rot_p = 2 * half_p
@@ -90,7 +90,7 @@ class _Plan:
     """Everything derived from one exact shape/stride class: ints, grid, compiled kernel."""
 
     __slots__ = ("ints", "consts", "grid", "num_warps", "runner", "has_pos", "tail", "n_tokens",
-                 "seq", "n_rows")
+                 "seq", "n_rows", "pdl")
 
     def __init__(self, ints, consts, grid, num_warps, has_pos):
         self.ints = ints
@@ -101,6 +101,7 @@ class _Plan:
         self.num_warps = num_warps
         self.runner = None
         self.has_pos = has_pos
+        self.pdl = False
 
 
 class TritonBackend(Backend):
@@ -231,9 +232,10 @@ class TritonBackend(Backend):
     def _launch_jit(self, plan, ptrs, off, m) -> None:
         # Exactly the positional arguments the direct launch passes (signature order,
         # constexprs included), so the interpreter tests check that order too.
+        extra = {"launch_pdl": True} if plan.pdl else {}  # the direct runner inherits it
         ck = self._get_kernel().rope_kernel[plan.grid](
             *ptrs, plan.n_tokens, plan.seq, plan.n_rows, off, m, *plan.tail,
-            num_warps=plan.num_warps)
+            num_warps=plan.num_warps, **extra)
         if self.fast_launch and ck is not None and -(1 << 31) <= off < (1 << 31):
             try:
                 plan.runner = ck[plan.grid]
@@ -266,6 +268,7 @@ class TritonBackend(Backend):
         block_t, block_h, num_warps = cfg[:3]
         head_grid = bool(cfg[3]) if len(cfg) > 3 else False
         stream = bool(cfg[4]) if len(cfg) > 4 else False
+        pdl = bool(cfg[5]) if len(cfg) > 5 and not _INTERPRET else False  # no PDL interpreted
         sq = list(q4.stride())
         sqo = list(qo4.stride())
         sk = list(k4.stride()) if k4 is not None else [0, 0, 0, 1]
@@ -301,7 +304,10 @@ class TritonBackend(Backend):
             # STREAM: q/k loads .cg, stores .cs (eviction_policy would cost a 64-bit policy
             # register: W4 (4, 16, 8) 86 instead of 79 registers, 2 CTAs/SM instead of 3, 3.6)
             stream,
+            pdl,  # PDL: launched with programmatic dependent launch (griddepcontrol wait/launch)
         )
         n_chunks = -(-hq // block_h) + -(-hk // block_h)
         grid = (-(-n_tokens // block_t) * (n_chunks if head_grid else 1), 1, 1)
-        return _Plan(ints, consts, grid, num_warps, pos is not None)
+        plan = _Plan(ints, consts, grid, num_warps, pos is not None)
+        plan.pdl = pdl
+        return plan

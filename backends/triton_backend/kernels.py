@@ -14,6 +14,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+try:  # programmatic dependent launch (sm_90+): only traced when PDL is set (never interpreted)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - old triton: the backend never sets PDL there
+    gdc_launch_dependents = gdc_wait = None
+
 try:  # accurate sin/cos on the GPU (tl.sin/tl.cos may lower to the approximate instructions)
     from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - very old triton
@@ -204,7 +209,7 @@ def rope_kernel(
     INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, COPY_PASS: tl.constexpr,
     HAS_POS: tl.constexpr, HAS_TURNS: tl.constexpr, D_CONTIG: tl.constexpr,
     LIBDEVICE: tl.constexpr, EARLY: tl.constexpr, HEAD_GRID: tl.constexpr,
-    TOK_SPLIT: tl.constexpr, STREAM: tl.constexpr,
+    TOK_SPLIT: tl.constexpr, STREAM: tl.constexpr, PDL: tl.constexpr,
 ):
     HALF: tl.constexpr = ROTARY_DIM // 2
     NQC: tl.constexpr = (HQ + BLOCK_H - 1) // BLOCK_H
@@ -232,6 +237,13 @@ def rope_kernel(
     row_qo = b * sqo_b + sq * sqo_s
     row_k = b * sk_b + sq * sk_s
     row_ko = b * sko_b + sq * sko_s
+
+    if PDL:
+        # Launched with programmatic stream serialization: wait for the previous kernel (its
+        # writes become visible) before any global access, then let the next kernel launch (its
+        # own wait covers this kernel's writes). Overlaps back-to-back launches (decode).
+        gdc_wait()
+        gdc_launch_dependents()
 
     if HEAD_GRID:
         if ci < NQC:
