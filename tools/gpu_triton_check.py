@@ -477,8 +477,8 @@ def sweep(w: Work, backend_cls, configs, inplace=False, deadline=170.0):
 SWEEPS = {
     "W2": [(1, 16, 4, True, False, True), (1, 32, 8), (1, 8, 2, True), (1, 8, 1, True),
            (1, 16, 2, True), (1, 32, 8, True), (1, 4, 1, True), (1, 8, 2, True, False, True)],
-    "W4": [(4, 16, 8, False, True), (2, 16, 8), (2, 16, 4), (2, 16, 4, False, True), (1, 32, 4),
-           (2, 8, 2), (2, 8, 1), (8, 16, 8, True), (4, 16, 8, False, False, True)],
+    "W4": [(2, 16, 8), (2, 16, 4), (4, 16, 8, False, True), (4, 16, 8, False, False, True),
+           (1, 32, 4), (8, 16, 8, True), (2, 8, 2), (2, 8, 1), (2, 16, 4, False, True)],
     "W1": [(4, 16, 8, False, True), (4, 8, 8), (2, 16, 4), (2, 8, 2), (2, 8, 1)],
     "W3 in place": [(4, 16, 4, False, True), (4, 16, 8), (8, 16, 8), (2, 16, 4), (2, 16, 2)],
 }
