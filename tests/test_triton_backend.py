@@ -348,6 +348,23 @@ def test_default_configs():
     assert tb._pick_blocks(8192, 16, 16, 256, 64, False) == (4, 16, 4, False)
     assert tb._pick_blocks(8192, 16, 16, 256, 64, True) == (1, 8, 4, False)
     assert tb._pick_blocks(256, 32, 8, 128, 128, False) == (1, 16, 4, True)
+    # Block sizes are powers of two for any shape (tl.arange): partial rotary with a pass-through
+    # copy once gave BLOCK_H 12 (decode, D 256, R 64) and BLOCK_T 3 (prefill, D 128, R 32).
+    for n in (1, 7, 256, 300, 4096, 100000):
+        for hq, hk in ((1, 0), (3, 1), (16, 16), (40, 5), (64, 8)):
+            for D, R in ((2, 2), (80, 32), (128, 32), (128, 128), (256, 64), (96, 48), (2048, 1024)):
+                for copy in (False, True):
+                    cfg = tb._pick_blocks(n, hq, hk, D, R, copy and R < D)
+                    assert all(v & (v - 1) == 0 for v in cfg[:3]), (n, hq, hk, D, R, copy, cfg)
+
+
+def test_partial_rotary_big_pass_through():
+    # Phi-like (R 32 of D 80 -> a 160-element tile per head) and GPT-J (R 64 of D 256) shapes
+    # through both plans.
+    for small in (True, False):
+        run_case(small=small, B=1, S=5, hq=8, hk=2, D=80, R=32, dtype=torch.bfloat16)
+        run_case(small=small, B=1, S=3, hq=16, hk=4, D=256, R=64, style="gptj",
+                 dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("hk", [2, 0])

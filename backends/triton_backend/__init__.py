@@ -31,6 +31,11 @@ def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def _prev_pow2(n: int) -> int:
+    """Largest power of two <= n (1 for n < 1): block sizes feed tl.arange."""
+    return 1 if n <= 1 else 1 << (n.bit_length() - 1)
+
+
 def _warps_for(elems_half: int) -> int:
     """num_warps so each thread holds ~8 elements of a half tile (a 16-byte bf16 vector per
     half, two per head): fewer threads would serialize, more would split the vectors."""
@@ -58,8 +63,8 @@ def _pick_blocks(n_tokens: int, hq: int, hk: int, head_dim: int, rotary_dim: int
         # rotates and stores; W2 runs 768 programs of 4 warps. (With 8-head chunks and 2 warps the
         # [1, 64] cos/sin row is loaded one element per thread and transposed through shared
         # memory, 3 barriers on the latency path; with 128 threads it loads as 16-byte vectors.)
-        block_h = max(1, min(hmax, _DECODE_BLOCK_H, max(1, 4096 // per_head)))
-        return 1, block_h, _warps_for(block_h * half_p), True
+        block_h = _prev_pow2(min(hmax, _DECODE_BLOCK_H, 4096 // per_head))
+        return 1, block_h, _warps_for(block_h * (half_p + pass_p // 2)), True
     # Partial rotary (W3) keeps the 4096-element tile of the measured W3 rows: in place it moves
     # only the rotary dims, out of place the tile includes the pass-through copy.
     tile = _TILE_ELEMS_INPLACE if rotary_dim < head_dim else _TILE_ELEMS
@@ -76,7 +81,7 @@ def _pick_blocks(n_tokens: int, hq: int, hk: int, head_dim: int, rotary_dim: int
         bh *= 2
     if (-(-hq // block_h) + -(-hk // block_h)) * block_h / heads > _MAX_WASTE:
         block_h = best[1]
-    block_t = max(1, min(16, tile // (per_head * block_h), _next_pow2(n_tokens)))
+    block_t = _prev_pow2(min(16, tile // (per_head * block_h), _next_pow2(n_tokens)))
     # ~8 elements per thread per half tile (the prefetched chunk doubles it): W1 (4, 16, 128)
     # and W3 in place (4, 16, 64) both get 8 warps by this; the W3 in place sweep winner was
     # (4, 16, 4), so the in-place tile is capped at 4 warps.
