@@ -644,6 +644,10 @@ def perf(rn: Runner, sweep: bool, strict: bool):
             reps = max(len(calls), min(400, int(2e4 / max(1.0, per_set / bw * 1e6)) + 1))
             reps = max(reps, 20)
             t = graph_time_us(calls, reps)
+            used = cb.last_variant() if hasattr(cb, "last_variant") else None
+            if used is not None:
+                print(f"   {name}: default config ran variant {used} ({cb.variant_name(used)}): "
+                      f"{t:.2f} us", flush=True)
             # same-bytes copy: half the floor read, half written, same rotation
             nbytes = per_set // 2
             bufs = [(torch.empty(nbytes, dtype=torch.uint8, device=DEV),
