@@ -7,6 +7,8 @@ and cos/sin row once, then walks the q heads and the k heads in chunks of BLOCK_
 loop is unrolled at compile time, and the next chunk is loaded before the current one is rotated
 and stored, so two chunks are in flight per program). Every tensor is addressed through its
 [B, S, H, D] strides, so all layouts and strided views (packed QKV) go through the same code.
+With HEAD_GRID (decode) each program owns one (token block, head chunk) instead. Rows outside
+the cos/sin table are computed on the fly only in programs that have such a token.
 """
 
 from __future__ import annotations
