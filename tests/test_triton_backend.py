@@ -347,7 +347,7 @@ def test_default_configs():
     assert tb._pick_blocks(32768, 64, 8, 128, 128, False) == (4, 16, 8, False)
     assert tb._pick_blocks(8192, 16, 16, 256, 64, False) == (4, 16, 4, False)
     assert tb._pick_blocks(8192, 16, 16, 256, 64, True) == (1, 8, 4, False)
-    assert tb._pick_blocks(256, 32, 8, 128, 128, False) == (1, 16, 4, True)
+    assert tb._pick_blocks(256, 32, 8, 128, 128, False) == (1, 16, 2, True)
     # Block sizes are powers of two for any shape (tl.arange): partial rotary with a pass-through
     # copy once gave BLOCK_H 12 (decode, D 256, R 64) and BLOCK_T 3 (prefill, D 128, R 32).
     for n in (1, 7, 256, 300, 4096, 100000):
