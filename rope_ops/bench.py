@@ -466,7 +466,7 @@ def plot(results: dict, path: str) -> None:
     ax.set_ylabel("% of same-run copy bandwidth (higher is better)")
     env = results["environment"]
     ax.set_title(f"rope_ops on {env.get('gpu', env.get('cpu'))}, {results['dtype']}, commit {env['commit']}", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, bbox_to_anchor=(1.01, 1), loc="upper left")
     ax.axhline(100, color="grey", lw=0.5)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
