@@ -34,13 +34,14 @@ struct TuneConfig {
 // at one head per thread); inplace = rotary dims only; neox = half-split pairs (gptj otherwise).
 // W1/W4/W5: large/out/neox. W2: small/out/neox. W3: large/in/gptj and large/out/gptj.
 // Measured on the H200 (tools/gpu_cuda_check.py --perf-only --sweep, 2026-12-01, BENCHMARKS.md):
-// W1 84.6 us, W4 136.7 us, W5 295.6 us with {4, 8, 8192} against 88.6 / 143.3 / 305.2 us for the
-// first default {1, 8, 4096}; W2 3.90 us with {4, 2, 128}; W3 in place 22.4 us with {4, 4, 2048};
-// W3 out of place 69.3 us with {5, 8, 4096}. Rows no workload measured copy their nearest
-// measured neighbour.
+// large out neox (W1/W4/W5) {4, 4, 2048}: in one run W1 83.8, W4 137.2, W5 296.2 us, against
+// 83.8 / 140.4 / 296.1 for {4, 4, 8192} and 88.6 / 143.3 / 305.2 for the first default
+// {1, 8, 4096}; W2 3.90 us with {4, 2, 128}; W3 in place 22.4 us with {4, 4, 2048}; W3 out of
+// place 69.3 us with {5, 8, 4096}. Rows no workload measured copy their nearest measured
+// neighbour.
 TuneConfig kDefaultConfig[8] = {
     /* large out gptj */ {5, 8, 4096},
-    /* large out neox */ {4, 8, 8192},
+    /* large out neox */ {4, 4, 2048},
     /* large in  gptj */ {4, 4, 2048},
     /* large in  neox */ {4, 4, 2048},
     /* small out gptj */ {4, 2, 128},
