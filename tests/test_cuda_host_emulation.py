@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import os
-import shutil
 import subprocess
 from pathlib import Path
+
+from _cuda_tools import find_nvcc
 
 import pytest
 import torch
@@ -29,16 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CU = ROOT / "csrc" / "rope_kernels.cu"
 
 
-def _nvcc() -> str | None:
-    if os.environ.get("NVCC"):
-        return os.environ["NVCC"]
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if home and (Path(home) / "bin" / "nvcc").exists():
-            return str(Path(home) / "bin" / "nvcc")
-    return None
+_nvcc = find_nvcc
 
 
 class RopeParams(ctypes.Structure):  # mirrors csrc/rope_kernels.h

@@ -4,11 +4,12 @@ and importing the backend module has no side effects."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from _cuda_tools import find_nvcc
 
 import pytest
 import torch
@@ -32,16 +33,7 @@ _ALIAS = textwrap.dedent(f"""
 """)
 
 
-def _nvcc() -> str | None:
-    if os.environ.get("NVCC"):
-        return os.environ["NVCC"]
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if home and (Path(home) / "bin" / "nvcc").exists():
-            return str(Path(home) / "bin" / "nvcc")
-    return None
+_nvcc = find_nvcc
 
 
 def _run_python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
