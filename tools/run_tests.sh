@@ -9,6 +9,8 @@ py=${PYTHON:-python}
 
 echo "== unit, registry, frequencies-vs-HF, CUDA sources, Ascend CPU verification, Triton (interpreter)"
 "$py" -m pytest -q tests
+echo "== triton backend unit tests through the Triton interpreter (skipped above without it)"
+TRITON_INTERPRET=1 "$py" -m pytest -q -p no:cacheprovider tests/test_triton_backend.py
 echo "== conformance: torch backend"
 "$py" -m pytest -q -p no:cacheprovider --pyargs rope_ops.testing --rope-backend torch
 echo "== conformance: third-party example backend (complex)"
