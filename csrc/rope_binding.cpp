@@ -90,23 +90,10 @@ int sm_count(int device) {
   return sms;
 }
 
-// Fills RopeParams from the tensors and launches on the current stream of q's device.
-// k and k_out may be undefined tensors (no k).
-void rope_core(const at::Tensor& q, const at::Tensor* k, const at::Tensor& q_out,
-               const at::Tensor* k_out, const at::Tensor* pos, int64_t pos_offset,
-               const at::Tensor& cos, const at::Tensor& sin, const at::Tensor* freq_turns,
-               double attention_factor, int64_t layout, int64_t rotary_dim, bool interleaved,
-               bool inverse, bool inplace) {
-  TORCH_CHECK(layout >= 0 && layout <= 3, "rope_ops_cuda::rope: layout code ", layout,
-              " not in 0..3 (bshd, sbhd, bhsd, thd)");
-  TORCH_CHECK(q.is_cuda(), "rope_ops_cuda::rope: q must be a CUDA tensor");
-  const int device = q.get_device();
-  // No device switch when q is on the current device (the usual case): the guard is only built
-  // when needed.
-  std::optional<c10::cuda::CUDAGuard> guard;
-  if (device != c10::cuda::current_device()) guard.emplace(q.device());
-
-  RopeParams p{};
+// Fills the tensor part of RopeParams (dtype, pointers, canonical [B, S, H, D] sizes and
+// strides of q, q_out and, when given, k and k_out), checking that they agree.
+void fill_tensors(RopeParams& p, const at::Tensor& q, const at::Tensor* k, const at::Tensor& q_out,
+                  const at::Tensor* k_out, int64_t layout) {
   p.dtype = dtype_code(q.scalar_type());
   const Canon cq = canon(q, layout, "q");
   const Canon cqo = canon(q_out, layout, "q_out");
@@ -140,6 +127,26 @@ void rope_core(const at::Tensor& q, const at::Tensor* k, const at::Tensor& q_out
     }
     p.Hk = ck.H;
   }
+}
+
+// Fills RopeParams from the tensors and launches on the current stream of q's device.
+// k and k_out may be undefined tensors (no k).
+void rope_core(const at::Tensor& q, const at::Tensor* k, const at::Tensor& q_out,
+               const at::Tensor* k_out, const at::Tensor* pos, int64_t pos_offset,
+               const at::Tensor& cos, const at::Tensor& sin, const at::Tensor* freq_turns,
+               double attention_factor, int64_t layout, int64_t rotary_dim, bool interleaved,
+               bool inverse, bool inplace) {
+  TORCH_CHECK(layout >= 0 && layout <= 3, "rope_ops_cuda::rope: layout code ", layout,
+              " not in 0..3 (bshd, sbhd, bhsd, thd)");
+  TORCH_CHECK(q.is_cuda(), "rope_ops_cuda::rope: q must be a CUDA tensor");
+  const int device = q.get_device();
+  // No device switch when q is on the current device (the usual case): the guard is only built
+  // when needed.
+  std::optional<c10::cuda::CUDAGuard> guard;
+  if (device != c10::cuda::current_device()) guard.emplace(q.device());
+
+  RopeParams p{};
+  fill_tensors(p, q, k, q_out, k_out, layout);
 
   TORCH_CHECK(rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= p.D,
               "rope_ops_cuda::rope: rotary_dim must be even in (0, head_dim], got ", rotary_dim);
@@ -264,30 +271,7 @@ int64_t pick_path(const at::Tensor& q, const std::optional<at::Tensor>& k, const
                   bool interleaved, bool inplace, const at::Tensor& cos) {
   // Which kernel a call with these tensors would take (1 fast, 2 generic); for the GPU check.
   RopeParams p{};
-  p.dtype = dtype_code(q.scalar_type());
-  const Canon cq = canon(q, layout, "q");
-  const Canon cqo = canon(q_out, layout, "q_out");
-  p.q = q.data_ptr();
-  p.q_out = q_out.data_ptr();
-  for (int i = 0; i < 4; ++i) {
-    p.q_stride[i] = cq.stride[i];
-    p.q_out_stride[i] = cqo.stride[i];
-  }
-  p.B = cq.B;
-  p.S = cq.S;
-  p.Hq = cq.H;
-  p.D = cq.D;
-  if (k.has_value() && k->defined() && k_out.has_value() && k_out->defined()) {
-    const Canon ck = canon(*k, layout, "k");
-    const Canon cko = canon(*k_out, layout, "k_out");
-    p.k = k->data_ptr();
-    p.k_out = k_out->data_ptr();
-    for (int i = 0; i < 4; ++i) {
-      p.k_stride[i] = ck.stride[i];
-      p.k_out_stride[i] = cko.stride[i];
-    }
-    p.Hk = ck.H;
-  }
+  fill_tensors(p, q, opt_ptr(k), q_out, opt_ptr(k_out), layout);
   p.R = rotary_dim;
   p.interleaved = interleaved ? 1 : 0;
   p.copy_passthrough = inplace ? 0 : 1;
