@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from rope_ops._reference import rope_reference
+from rope_ops.testing.tolerances import allowed_error
 from rope_ops.backend import KernelArgs
 from rope_ops.frequencies import compute_inv_freq, cos_sin_table, freq_turns_of
 from rope_ops_backends import ascend_backend as ab
@@ -27,7 +28,6 @@ from rope_ops_backends.ascend_backend import limits
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-_LOW = {torch.bfloat16: (-126, 7), torch.float16: (-14, 10)}
 
 
 # ------------------------------------------------------------------------------ fakes
@@ -104,16 +104,7 @@ def check_outputs(args, ref_kw, inputs):
         ref = rope_reference(x0, pos, **ref_kw)
         got = out.detach().to(torch.float64)
         x = x0.to(torch.float64)
-        half = torch.arange(r // 2)
-        first, second = (2 * half, 2 * half + 1) if style == "gptj" else (half, half + r // 2)
-        pair = (x[..., first].abs() + x[..., second].abs()).clamp_min(1.0) * 2e-6
-        bound = torch.zeros_like(x)
-        bound[..., first] = pair
-        bound[..., second] = pair
-        if x0.dtype in _LOW:
-            me, bits = _LOW[x0.dtype]
-            e = torch.floor(torch.log2(ref[..., :r].abs().clamp_min(1e-300))).clamp_min(me)
-            bound[..., :r] += torch.pow(2.0, e - bits)
+        bound = allowed_error(x0, ref.nan_to_num(), x0.dtype, r, style)  # SPEC "Accuracy"
         nan = torch.isnan(ref)
         assert torch.equal(torch.isnan(got[..., :r]), nan[..., :r])
         ok = ((got - ref).abs() <= bound) | nan
