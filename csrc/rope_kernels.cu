@@ -19,7 +19,7 @@
 namespace rope_ops_cuda {
 namespace {
 
-constexpr int kThreads = 256;  // threads per block, both kernels
+constexpr int kMaxThreads = 256;  // most threads per block (launch bounds of both kernels)
 
 // ------------------------------------------------------------------------------------------------
 // Tuning. DEFAULTS PER CALL CLASS: edit kDefaultConfig after `gpu_cuda_check.py --perf-only
@@ -27,8 +27,12 @@ constexpr int kThreads = 256;  // threads per block, both kernels
 //   variant: index into kVariants (defined with the fast kernel below), used when a thread owns
 //            several heads; one head per thread always runs the ROUNDS/1 kernel.
 //   max_heads_per_thread, min_threads_per_sm: grid sizing (see launch_typed).
+//   block_threads: threads per block (32..256, a multiple of 32).
+//   rows_on_the_fly: 1 = compute every cos/sin row from freq_turns instead of reading the table
+//            (when freq_turns is given): removes the dependent position -> table load from the
+//            latency path of decode-sized calls, at ~8 sincospif per thread.
 struct TuneConfig {
-  int variant, max_heads_per_thread, min_threads_per_sm;
+  int variant, max_heads_per_thread, min_threads_per_sm, block_threads, rows_on_the_fly;
 };
 // Index: small * 4 + inplace * 2 + neox. small = decode-sized (fewer than 2048 threads per SM
 // at one head per thread); inplace = rotary dims only; neox = half-split pairs (gptj otherwise).
@@ -40,19 +44,25 @@ struct TuneConfig {
 // place 69.3 us with {5, 8, 4096}. Rows no workload measured copy their nearest measured
 // neighbour.
 TuneConfig kDefaultConfig[8] = {
-    /* large out gptj */ {5, 8, 4096},
-    /* large out neox */ {4, 4, 2048},
-    /* large in  gptj */ {4, 4, 2048},
-    /* large in  neox */ {4, 4, 2048},
-    /* small out gptj */ {4, 2, 128},
-    /* small out neox */ {4, 2, 128},
-    /* small in  gptj */ {4, 2, 128},
-    /* small in  neox */ {4, 2, 128},
+    /* large out gptj */ {5, 8, 4096, 256, 0},
+    /* large out neox */ {4, 4, 2048, 256, 0},
+    /* large in  gptj */ {4, 4, 2048, 256, 0},
+    /* large in  neox */ {4, 4, 2048, 256, 0},
+    /* small out gptj */ {4, 2, 128, 256, 0},
+    /* small out neox */ {4, 2, 128, 256, 0},
+    /* small in  gptj */ {4, 2, 128, 256, 0},
+    /* small in  neox */ {4, 2, 128, 256, 0},
 };
+// Programmatic dependent launch (sm_90+): launch with programmatic stream serialization, so the
+// grid is scheduled while the previous kernel drains; every kernel waits (griddepcontrol.wait)
+// for the previous grid's completion and memory flush before its first global load.
+int g_pdl = 1;
 // Process-wide overrides (benchmarks, tests; not thread-safe): -1 = use kDefaultConfig.
 int g_variant = -1;
 int g_max_heads_per_thread = -1;
 int g_min_threads_per_sm = -1;
+int g_block_threads = -1;
+int g_rows_on_the_fly = -1;
 int g_last_variant = -2;  // variant of the last fast-path launch (-1: one head per thread)
 
 TuneConfig effective_config(bool small, bool inplace, bool neox) {
@@ -60,7 +70,19 @@ TuneConfig effective_config(bool small, bool inplace, bool neox) {
   if (g_variant >= 0) c.variant = g_variant;
   if (g_max_heads_per_thread >= 1) c.max_heads_per_thread = g_max_heads_per_thread;
   if (g_min_threads_per_sm >= 1) c.min_threads_per_sm = g_min_threads_per_sm;
+  if (g_block_threads >= 1) c.block_threads = g_block_threads;
+  if (g_rows_on_the_fly >= 0) c.rows_on_the_fly = g_rows_on_the_fly;
   return c;
+}
+
+// First thing before a kernel's first global load: wait for the grid this one depends on (a
+// no-op unless launched with programmatic stream serialization), then let the next grid launch:
+// its own wait covers this grid's writes. The kernel parameters may be read before the wait.
+ROPE_HD void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -191,9 +213,8 @@ ROPE_HD int64_t load_position(const RopeParams& p, int64_t b, int64_t s) {
 // m*cos and m*sin of frequency i at integer position pos, from fixed-point turns:
 // turns64 = pos * freq_turns[i] (wrapping), its top 32 bits as a signed int32 are turns * 2^32,
 // so the angle is pi * (top * 2^-31); sincospif does the reduction exactly.
-ROPE_HD void cos_sin_on_the_fly(int64_t pos, const int64_t* freq_turns, int i,
-                                                   float m, float& c, float& s) {
-  const unsigned long long ft = (unsigned long long)ldg_ro((const long long*)freq_turns + i);
+ROPE_HD void cos_sin_on_the_fly(int64_t pos, unsigned long long ft, float m, float& c,
+                                float& s) {
   const unsigned long long t = (unsigned long long)pos * ft;
   const int32_t top = (int32_t)(uint32_t)(t >> 32);
   sincospif((float)top * 4.656612873077392578125e-10f /* 2^-31 */, &s, &c);
@@ -201,12 +222,32 @@ ROPE_HD void cos_sin_on_the_fly(int64_t pos, const int64_t* freq_turns, int i,
   s *= m;
 }
 
-// NC consecutive float32 values of cos and sin for frequencies [i0, i0 + NC) at position pos;
-// sin negated for the inverse rotation. Table rows only for 0 <= pos < table_rows.
+// NC consecutive fixed-point frequencies [i0, i0 + NC) (16-byte loads when NC is even; i0 is
+// then even, so the address is 16-byte aligned).
 template <int NC>
-ROPE_HD void load_cos_sin(const RopeParams& p, int64_t pos, int64_t i0,
-                                             float* c, float* s) {
-  if (pos >= 0 && pos < p.table_rows) {
+ROPE_HD void load_freq_turns(const int64_t* freq_turns, int64_t i0, unsigned long long* f) {
+  const long long* src = (const long long*)freq_turns + i0;
+  if constexpr (NC % 2 == 0) {
+#pragma unroll
+    for (int j = 0; j < NC; j += 2) {
+      const longlong2 v = ldg_ro(reinterpret_cast<const longlong2*>(src + j));
+      f[j] = (unsigned long long)v.x;
+      f[j + 1] = (unsigned long long)v.y;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < NC; ++j) f[j] = (unsigned long long)ldg_ro(src + j);
+  }
+}
+
+// NC consecutive float32 values of cos and sin for frequencies [i0, i0 + NC) at position pos;
+// sin negated for the inverse rotation. Table rows only for 0 <= pos < table_rows, and only
+// when not computing every row (on_the_fly, which needs freq_turns).
+template <int NC>
+ROPE_HD void load_cos_sin(const RopeParams& p, int64_t pos, int64_t i0, float* c, float* s,
+                          bool on_the_fly = false) {
+  on_the_fly = on_the_fly && p.freq_turns != nullptr;
+  if (!on_the_fly && pos >= 0 && pos < p.table_rows) {
     const int64_t off = pos * (p.R >> 1) + i0;
     if constexpr (NC % 4 == 0) {
 #pragma unroll
@@ -232,9 +273,10 @@ ROPE_HD void load_cos_sin(const RopeParams& p, int64_t pos, int64_t i0,
       }
     }
   } else if (p.freq_turns != nullptr) {
+    unsigned long long f[NC];
+    load_freq_turns<NC>(p.freq_turns, i0, f);
 #pragma unroll
-    for (int j = 0; j < NC; ++j)
-      cos_sin_on_the_fly(pos, p.freq_turns, (int)(i0 + j), p.attention_factor, c[j], s[j]);
+    for (int j = 0; j < NC; ++j) cos_sin_on_the_fly(pos, f[j], p.attention_factor, c[j], s[j]);
   } else {
     const float nan = bit_cast_hd<float>(0x7fffffffu);
 #pragma unroll
@@ -335,8 +377,8 @@ struct FastThread {
   float cs[NC], sn[NC];
 
   ROPE_HD FastThread(const RopeParams& pp, const int CR, const int CT, const int hl,
-                     const long long gid, const long long total, int& lane_out)
-      : p(pp) {
+                     const long long gid, const long long total, const bool fly, int& lane_out)
+      : p(pp), on_the_fly(fly) {
     const ThreadIdx ix = decompose(p, CT, hl, gid, total);
     lane_out = ix.lane;
     HL = hl;
@@ -344,6 +386,7 @@ struct FastThread {
     rot = ix.c < CR;
     const long long d0 = rot ? (long long)ix.c * V : p.R + (long long)(ix.c - CR) * V;
     half = p.R >> 1;
+    wait_for_previous_grid();  // index math above overlaps the previous kernel's tail (PDL)
     // The position heads the longest dependency chain (position -> cos/sin row): issue it first.
     long long pos = 0;
     if (rot) pos = load_position(p, ix.b, ix.s);
@@ -360,10 +403,11 @@ struct FastThread {
   }
   long long pos_;
   int c_;
+  bool on_the_fly;
 
   ROPE_HD void load_cs() {
     // frequencies [c*V, c*V + V) (neox) or [c*V/2, c*V/2 + V/2) (gptj) of this thread's chunk
-    if (rot) load_cos_sin<NC>(p, pos_, (long long)c_ * NC, cs, sn);
+    if (rot) load_cos_sin<NC>(p, pos_, (long long)c_ * NC, cs, sn, on_the_fly);
   }
 
   // Loads of heads h0, h0 + HL, ... (ST of them, those < Ht).
@@ -417,9 +461,9 @@ struct FastThread {
 
 template <typename T, bool NEOX, int SCHED, int ST, int HINT>
 ROPE_HD void fast_thread(const RopeParams& p, const int CR, const int CT, const int HL,
-                         const long long gid, const long long total) {
+                         const long long gid, const long long total, const bool fly) {
   int lane = 0;
-  FastThread<T, NEOX, ST, HINT> th(p, CR, CT, HL, gid, total, lane);
+  FastThread<T, NEOX, ST, HINT> th(p, CR, CT, HL, gid, total, fly, lane);
   const long long step = (long long)HL * ST;
   if constexpr (SCHED == SCHED_ROUNDS) {
     bool have_cs = false;
@@ -468,11 +512,11 @@ constexpr VariantDesc kVariants[kNumVariants] = {
 };
 
 template <typename T, bool NEOX, int SCHED, int ST, int HINT>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kMaxThreads)
     rope_fast_kernel(const __grid_constant__ RopeParams p, const int CR, const int CT, const int HL,
-                     const long long total) {
-  const long long gid = (long long)blockIdx.x * kThreads + threadIdx.x;
-  if (gid < total) fast_thread<T, NEOX, SCHED, ST, HINT>(p, CR, CT, HL, gid, total);
+                     const long long total, const int on_the_fly) {
+  const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (gid < total) fast_thread<T, NEOX, SCHED, ST, HINT>(p, CR, CT, HL, gid, total, on_the_fly != 0);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -524,11 +568,12 @@ ROPE_HD void generic_item(const RopeParams& p, const long long per_head, const l
 }
 
 template <typename T, bool NEOX>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kMaxThreads)
     rope_generic_kernel(const __grid_constant__ RopeParams p, const long long per_head,
                         const long long total) {
-  for (long long gid = (long long)blockIdx.x * kThreads + threadIdx.x; gid < total;
-       gid += (long long)gridDim.x * kThreads)
+  wait_for_previous_grid();
+  for (long long gid = (long long)blockIdx.x * kMaxThreads + threadIdx.x; gid < total;
+       gid += (long long)gridDim.x * kMaxThreads)
     generic_item<T, NEOX>(p, per_head, gid);
 }
 
@@ -583,12 +628,33 @@ int pick_path(const RopeParams* p) {
   return 1;
 }
 
+// Launches `kernel` on `stream`; with pdl, with programmatic stream serialization (sm_90+: the
+// grid may be scheduled before the previous kernel in the stream has finished; the kernels wait
+// for it in wait_for_previous_grid before touching memory).
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), int64_t blocks, int threads, bool pdl,
+                          cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)blocks);
+  cfg.blockDim = dim3((unsigned)threads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
 template <typename T, bool NEOX>
-cudaError_t launch_typed(const RopeParams& p, int path, int num_sms, cudaStream_t stream,
+cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, cudaStream_t stream,
                          bool emulate) {
   const int64_t tokens = p.B * p.S;
   const int64_t Ht = p.Hq + p.Hk;
-  const int sms = num_sms > 0 ? num_sms : 132;
+  const int sms = dev.num_sms > 0 ? dev.num_sms : 132;
+  const bool pdl = g_pdl != 0 && dev.cc_major >= 9;
+  cudaError_t err = cudaSuccess;
   if (path == 1) {
     constexpr int V = VecInfo<T>::kVec;
     const int64_t CR = NEOX ? (p.R / 2) / V : p.R / V;
@@ -609,9 +675,12 @@ cudaError_t launch_typed(const RopeParams& p, int path, int num_sms, cudaStream_
         break;
       }
     }
+    int threads = cfg.block_threads;
+    threads = threads < 32 ? 32 : threads > kMaxThreads ? kMaxThreads : threads / 32 * 32;
     const int64_t total = per_lane * hl;
-    const int64_t blocks = (total + kThreads - 1) / kThreads;
+    const int64_t blocks = (total + threads - 1) / threads;
     if (CT > (1 << 30) || hl > (1 << 30) || blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
+    const int fly = cfg.rows_on_the_fly != 0 ? 1 : 0;
     // One head per thread: the ROUNDS/1 kernel (fewest registers); else the configured variant.
     const int v = hl >= Ht ? -1 : cfg.variant;
     g_last_variant = v;
@@ -622,7 +691,7 @@ cudaError_t launch_typed(const RopeParams& p, int path, int num_sms, cudaStream_
 #define ROPE_EMU_CASE(I)                                                                        \
   case I:                                                                                      \
     fast_thread<T, NEOX, kVariants[I].sched, kVariants[I].stage, kVariants[I].hint>(          \
-        p, (int)CR, (int)CT, (int)hl, g, (long long)total);                                    \
+        p, (int)CR, (int)CT, (int)hl, g, (long long)total, fly != 0);                          \
     break;
           ROPE_EMU_CASE(0)
           ROPE_EMU_CASE(1)
@@ -633,19 +702,20 @@ cudaError_t launch_typed(const RopeParams& p, int path, int num_sms, cudaStream_
 #undef ROPE_EMU_CASE
           default:
             fast_thread<T, NEOX, SCHED_ROUNDS, 1, HINT_CS>(p, (int)CR, (int)CT, (int)hl, g,
-                                                           (long long)total);
+                                                           (long long)total, fly != 0);
         }
       }
       return cudaSuccess;
     }
 #endif
     (void)emulate;
+    const RopeParams& kp = p;  // passed by value to the kernel (__grid_constant__)
     switch (v) {
 #define ROPE_LAUNCH_CASE(I)                                                                      \
   case I:                                                                                       \
-    rope_fast_kernel<T, NEOX, kVariants[I].sched, kVariants[I].stage, kVariants[I].hint>        \
-        <<<(unsigned)blocks, kThreads, 0, stream>>>(p, (int)CR, (int)CT, (int)hl,               \
-                                                     (long long)total);                         \
+    err = launch_kernel(                                                                        \
+        rope_fast_kernel<T, NEOX, kVariants[I].sched, kVariants[I].stage, kVariants[I].hint>,   \
+        blocks, threads, pdl, stream, kp, (int)CR, (int)CT, (int)hl, (long long)total, fly);    \
     break;
       ROPE_LAUNCH_CASE(0)
       ROPE_LAUNCH_CASE(1)
@@ -655,13 +725,13 @@ cudaError_t launch_typed(const RopeParams& p, int path, int num_sms, cudaStream_
       ROPE_LAUNCH_CASE(5)
 #undef ROPE_LAUNCH_CASE
       default:
-        rope_fast_kernel<T, NEOX, SCHED_ROUNDS, 1, HINT_CS><<<(unsigned)blocks, kThreads, 0, stream>>>(
-            p, (int)CR, (int)CT, (int)hl, (long long)total);
+        err = launch_kernel(rope_fast_kernel<T, NEOX, SCHED_ROUNDS, 1, HINT_CS>, blocks, threads,
+                            pdl, stream, kp, (int)CR, (int)CT, (int)hl, (long long)total, fly);
     }
   } else {
     const int64_t per_head = p.R / 2 + ((p.copy_passthrough && p.D > p.R) ? p.D - p.R : 0);
     const int64_t total = tokens * Ht * per_head;
-    int64_t blocks = (total + kThreads - 1) / kThreads;
+    int64_t blocks = (total + kMaxThreads - 1) / kMaxThreads;
     const int64_t cap = (int64_t)sms * 16;
     if (blocks > cap) blocks = cap;
 #ifdef ROPE_HOST_EMULATION
@@ -670,30 +740,30 @@ cudaError_t launch_typed(const RopeParams& p, int path, int num_sms, cudaStream_
       return cudaSuccess;
     }
 #endif
-    rope_generic_kernel<T, NEOX><<<(unsigned)blocks, kThreads, 0, stream>>>(
-        p, (long long)per_head, (long long)total);
+    err = launch_kernel(rope_generic_kernel<T, NEOX>, blocks, kMaxThreads, pdl, stream, p,
+                        (long long)per_head, (long long)total);
   }
-  return cudaGetLastError();
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t launch_style(const RopeParams& p, int path, int num_sms, cudaStream_t stream,
+cudaError_t launch_style(const RopeParams& p, int path, const RopeDevice& dev, cudaStream_t stream,
                          bool emulate) {
-  return p.interleaved ? launch_typed<T, false>(p, path, num_sms, stream, emulate)
-                       : launch_typed<T, true>(p, path, num_sms, stream, emulate);
+  return p.interleaved ? launch_typed<T, false>(p, path, dev, stream, emulate)
+                       : launch_typed<T, true>(p, path, dev, stream, emulate);
 }
 
-cudaError_t dispatch(const RopeParams* p, int num_sms, cudaStream_t stream, bool emulate) {
+cudaError_t dispatch(const RopeParams* p, const RopeDevice& dev, cudaStream_t stream, bool emulate) {
   if (!params_ok(p)) return cudaErrorInvalidValue;
   const int path = pick_path(p);
   if (path == 0) return cudaSuccess;
   switch (p->dtype) {
     case ROPE_F32:
-      return launch_style<float>(*p, path, num_sms, stream, emulate);
+      return launch_style<float>(*p, path, dev, stream, emulate);
     case ROPE_F16:
-      return launch_style<__half>(*p, path, num_sms, stream, emulate);
+      return launch_style<__half>(*p, path, dev, stream, emulate);
     default:
-      return launch_style<__nv_bfloat16>(*p, path, num_sms, stream, emulate);
+      return launch_style<__nv_bfloat16>(*p, path, dev, stream, emulate);
   }
 }
 
@@ -705,15 +775,17 @@ extern "C" int rope_pick_path(const RopeParams* p) {
   return rope_ops_cuda::pick_path(p);
 }
 
-extern "C" cudaError_t rope_launch(const RopeParams* p, int num_sms, cudaStream_t stream) {
-  return rope_ops_cuda::dispatch(p, num_sms, stream, false);
+extern "C" cudaError_t rope_launch(const RopeParams* p, const RopeDevice* dev, cudaStream_t stream) {
+  const RopeDevice none = {0, 0};
+  return rope_ops_cuda::dispatch(p, dev != nullptr ? *dev : none, stream, false);
 }
 
 #ifdef ROPE_HOST_EMULATION
 // Test hook: the same path choice, grid sizing and per-thread code, run serially on the CPU over
 // host pointers (every gid of the would-be grid, in order). Returns 0 on success.
 extern "C" int rope_host_emulate(const RopeParams* p, int num_sms) {
-  return (int)rope_ops_cuda::dispatch(p, num_sms, nullptr, true);
+  const RopeDevice dev = {num_sms, 0};
+  return (int)rope_ops_cuda::dispatch(p, dev, nullptr, true);
 }
 #endif
 
@@ -727,6 +799,12 @@ extern "C" void rope_set_config(int variant, int max_heads_per_thread, int min_t
       variant >= 0 && variant < rope_ops_cuda::kNumVariants ? variant : -1;
   rope_ops_cuda::g_max_heads_per_thread = max_heads_per_thread >= 1 ? max_heads_per_thread : -1;
   rope_ops_cuda::g_min_threads_per_sm = min_threads_per_sm >= 1 ? min_threads_per_sm : -1;
+}
+
+extern "C" void rope_set_launch(int block_threads, int rows_on_the_fly, int pdl) {
+  rope_ops_cuda::g_block_threads = block_threads >= 1 ? block_threads : -1;
+  rope_ops_cuda::g_rows_on_the_fly = rows_on_the_fly >= 0 ? (rows_on_the_fly != 0) : -1;
+  rope_ops_cuda::g_pdl = pdl >= 0 ? (pdl != 0) : 1;
 }
 
 extern "C" int rope_num_variants(void) { return rope_ops_cuda::kNumVariants; }

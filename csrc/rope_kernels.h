@@ -57,10 +57,16 @@ typedef struct RopeParams {
 // path, 2 generic (scalar, any strides).
 int rope_pick_path(const RopeParams* p);
 
-// Launch on `stream`. num_sms: the device's multiprocessor count (sizes the grid).
-// Returns the launch error (cudaGetLastError after the launch), cudaErrorInvalidValue for
-// inconsistent parameters, cudaSuccess when there is nothing to do.
-cudaError_t rope_launch(const RopeParams* p, int num_sms, cudaStream_t stream);
+// What the launch needs to know about the device: the multiprocessor count (sizes the grid) and
+// the compute capability major (programmatic dependent launch needs >= 9).
+typedef struct RopeDevice {
+  int num_sms;
+  int cc_major;
+} RopeDevice;
+
+// Launch on `stream`. Returns the launch error, cudaErrorInvalidValue for inconsistent
+// parameters, cudaSuccess when there is nothing to do.
+cudaError_t rope_launch(const RopeParams* p, const RopeDevice* dev, cudaStream_t stream);
 
 // Grid tuning (process-wide, not thread-safe; for benchmarks): the fast path gives each thread up
 // to max_heads_per_thread heads (default 8) while keeping >= min_threads_per_sm threads per SM
@@ -72,6 +78,11 @@ void rope_set_tuning(int max_heads_per_thread, int min_threads_per_sm);
 // defaults of kDefaultConfig in rope_kernels.cu. rope_last_variant(): the variant the last
 // fast-path launch used (-1: one head per thread, the ROUNDS/1 kernel).
 void rope_set_config(int variant, int max_heads_per_thread, int min_threads_per_sm);
+// Launch knobs for every call (benchmarks, tests); a negative value restores the default:
+// block_threads (32..256; default per call class), rows_on_the_fly (1: compute every cos/sin row
+// from freq_turns instead of reading the table; default per call class), pdl (programmatic
+// dependent launch on sm_90+; default 1).
+void rope_set_launch(int block_threads, int rows_on_the_fly, int pdl);
 int rope_num_variants(void);
 const char* rope_variant_name(int variant);
 int rope_last_variant(void);

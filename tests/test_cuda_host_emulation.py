@@ -117,6 +117,8 @@ def lib(tmp_path_factory):
     so.rope_set_tuning.restype = None
     so.rope_set_config.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
     so.rope_set_config.restype = None
+    so.rope_set_launch.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    so.rope_set_launch.restype = None
     so.rope_num_variants.restype = ctypes.c_int
     so.rope_last_variant.restype = ctypes.c_int
     so.rope_variant_name.argtypes = [ctypes.c_int]
@@ -153,8 +155,14 @@ class EmulatedBackend:
         return made
 
 
-def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch):
+@pytest.mark.parametrize("block_threads, rows_on_the_fly", [(-1, -1), (96, 1)],
+                         ids=["defaults", "blocks_of_96_rows_on_the_fly"])
+def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, block_threads,
+                                         rows_on_the_fly):
+    """The accuracy cases of tools/gpu_cuda_check.py; the second run computes every cos/sin row
+    from freq_turns (caller tables still read their table) with an odd block size."""
     g = check_tool
+    lib.rope_set_launch(block_threads, rows_on_the_fly, -1)
     monkeypatch.setattr(g, "DEV", "cpu")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(g, "large_tensor", lambda rn: None)
@@ -194,6 +202,7 @@ def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch):
         g.accuracy(rn)
     finally:
         lib.rope_set_config(-1, -1, -1)
+        lib.rope_set_launch(-1, -1, -1)
     assert rn.count > 250
     assert not rn.failures, "\n".join(rn.failures[:20])
     paths = list(rn.paths.values())
