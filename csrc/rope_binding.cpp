@@ -7,6 +7,7 @@
 // 0 bshd, 1 sbhd, 2 bhsd, 3 thd), fills a RopeParams and launches on the current stream.
 // rope_ops validated the call already; the checks here are cheap guards against misuse of the op
 // on its own (they never look at data and never synchronize).
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -79,15 +80,19 @@ void check_same(const at::Tensor& a, const at::Tensor& b, const Canon& ca, const
               "rope_ops_cuda::rope: ", name, " has a different shape from its input");
 }
 
-int sm_count(int device) {
-  static std::array<int, 64> sm_cache{};  // multiprocessor count per device, 0: not yet known
-  int sms = device >= 0 && device < 64 ? sm_cache[device] : 0;
-  if (sms == 0) {
-    TORCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess,
-                "rope_ops_cuda::rope: cannot read the multiprocessor count of device ", device);
-    if (device >= 0 && device < 64) sm_cache[device] = sms;
+// Multiprocessor count and compute capability of a device, read once per device.
+RopeDevice device_info(int device) {
+  static std::array<RopeDevice, 64> cache{};  // num_sms 0: not yet known
+  RopeDevice info = device >= 0 && device < 64 ? cache[device] : RopeDevice{0, 0};
+  if (info.num_sms == 0) {
+    TORCH_CHECK(cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, device) ==
+                        cudaSuccess &&
+                    cudaDeviceGetAttribute(&info.cc_major, cudaDevAttrComputeCapabilityMajor,
+                                           device) == cudaSuccess,
+                "rope_ops_cuda::rope: cannot read the properties of device ", device);
+    if (device >= 0 && device < 64) cache[device] = info;
   }
-  return sms;
+  return info;
 }
 
 // Fills the tensor part of RopeParams (dtype, pointers, canonical [B, S, H, D] sizes and
@@ -197,9 +202,9 @@ void rope_core(const at::Tensor& q, const at::Tensor* k, const at::Tensor& q_out
   }
   p.attention_factor = static_cast<float>(attention_factor);
 
-  const int sms = sm_count(device);
+  const RopeDevice info = device_info(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-  const cudaError_t err = rope_launch(&p, sms, stream);
+  const cudaError_t err = rope_launch(&p, &info, stream);
   TORCH_CHECK(err == cudaSuccess, "rope_ops_cuda::rope: kernel launch failed: ",
               cudaGetErrorString(err));
 }
@@ -219,8 +224,17 @@ void rope_cuda(const at::Tensor& q, const std::optional<at::Tensor>& k, const at
             inplace);
 }
 
+// An uninitialised tensor like t, as at::empty_like(t) gives it (t's strides when t is
+// non-overlapping and dense, else contiguous), straight from the CUDA caching allocator: the
+// dispatcher round trip of empty_like costs ~2-3 us per output on slow host CPUs.
+at::Tensor empty_like_cuda(const at::Tensor& t) {
+  if (t.is_non_overlapping_and_dense())
+    return at::detail::empty_strided_cuda(t.sizes(), t.strides(), t.scalar_type(), t.device());
+  return at::detail::empty_cuda(t.sizes(), t.scalar_type(), t.device(), std::nullopt);
+}
+
 // The eager entry (pybind11, no dispatcher): same arguments, but q_out may be None (out of
-// place): then the outputs are allocated here (empty_like: same layout as the inputs) and
+// place): then the outputs are allocated here (as empty_like: same layout as the inputs) and
 // returned as (q_out, k_out); otherwise it writes into the given outputs and returns None.
 // Not traceable: CudaBackend.run uses the op under torch.compile.
 py::object rope_eager(const at::Tensor& q, const std::optional<at::Tensor>& k,
@@ -238,15 +252,37 @@ py::object rope_eager(const at::Tensor& q, const std::optional<at::Tensor>& k,
     return py::none();
   }
   TORCH_CHECK(!inplace, "rope_ops_cuda: in place needs q_out (q itself)");
-  at::Tensor qo = at::empty_like(q);
+  TORCH_CHECK(q.is_cuda(), "rope_ops_cuda::rope: q must be a CUDA tensor");
+  at::Tensor qo = empty_like_cuda(q);
   at::Tensor ko;
-  if (kp != nullptr) ko = at::empty_like(*kp);
+  if (kp != nullptr) ko = empty_like_cuda(*kp);
   rope_core(q, kp, qo, kp != nullptr ? &ko : nullptr, opt_ptr(pos), pos_offset, cos, sin,
             opt_ptr(freq_turns), attention_factor, layout, rotary_dim, interleaved, inverse,
             inplace);
   if (kp == nullptr) return py::make_tuple(qo, py::none());
   return py::make_tuple(qo, ko);
 }
+
+// rope_eager for repeated out-of-place forward calls of one kind (rope_ops.apply's cached plan):
+// the tables and constants are bound once, a call converts 4 arguments instead of 15.
+struct BoundForward {
+  at::Tensor cos, sin;
+  std::optional<at::Tensor> freq_turns;
+  double attention_factor;
+  int64_t layout, rotary_dim;
+  bool interleaved;
+
+  py::object operator()(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                        const std::optional<at::Tensor>& pos, int64_t pos_offset) const {
+    if (pos.has_value() && pos->defined() && !pos->is_cuda()) {  // positions handed over on the host
+      const at::Tensor moved = pos->to(q.device(), /*non_blocking=*/true);
+      return rope_eager(q, k, std::nullopt, std::nullopt, moved, pos_offset, cos, sin, freq_turns,
+                        attention_factor, layout, rotary_dim, interleaved, false, false);
+    }
+    return rope_eager(q, k, std::nullopt, std::nullopt, pos, pos_offset, cos, sin, freq_turns,
+                      attention_factor, layout, rotary_dim, interleaved, false, false);
+  }
+};
 
 // Meta / fake implementation: the op only writes into q_out / k_out, which already exist.
 void rope_meta(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
@@ -261,6 +297,11 @@ void set_tuning(int64_t max_heads_per_thread, int64_t min_threads_per_sm) {
 void set_config(int64_t variant, int64_t max_heads_per_thread, int64_t min_threads_per_sm) {
   rope_set_config(static_cast<int>(variant), static_cast<int>(max_heads_per_thread),
                   static_cast<int>(min_threads_per_sm));
+}
+
+void set_launch(int64_t block_threads, int64_t rows_on_the_fly, int64_t pdl) {
+  rope_set_launch(static_cast<int>(block_threads), static_cast<int>(rows_on_the_fly),
+                  static_cast<int>(pdl));
 }
 
 int64_t num_variants() { return rope_num_variants(); }
@@ -290,6 +331,7 @@ TORCH_LIBRARY(rope_ops_cuda, m) {
       "int rotary_dim, bool interleaved, bool inverse, bool inplace) -> ()");
   m.def("set_tuning(int max_heads_per_thread, int min_threads_per_sm) -> ()");
   m.def("set_config(int variant, int max_heads_per_thread, int min_threads_per_sm) -> ()");
+  m.def("set_launch(int block_threads, int rows_on_the_fly, int pdl) -> ()");
   m.def("num_variants() -> int");
   m.def("last_variant() -> int");
   m.def(
@@ -297,6 +339,7 @@ TORCH_LIBRARY(rope_ops_cuda, m) {
       "bool interleaved, bool inplace, Tensor cos) -> int");
   m.impl("set_tuning", &set_tuning);
   m.impl("set_config", &set_config);
+  m.impl("set_launch", &set_launch);
   m.impl("num_variants", &num_variants);
   m.impl("last_variant", &last_variant);
 }
@@ -317,4 +360,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rope(q, k, q_out, k_out, pos, pos_offset, cos, sin, freq_turns, attention_factor, "
         "layout, rotary_dim, interleaved, inverse, inplace) -> None | (q_out, k_out)");
   m.def("variant_name", [](int v) { return std::string(rope_variant_name(v)); });
+  py::class_<BoundForward>(m, "BoundForward")
+      .def(py::init([](at::Tensor cos, at::Tensor sin, std::optional<at::Tensor> freq_turns,
+                       double attention_factor, int64_t layout, int64_t rotary_dim,
+                       bool interleaved) {
+             return BoundForward{std::move(cos), std::move(sin), std::move(freq_turns),
+                                 attention_factor, layout, rotary_dim, interleaved};
+           }),
+           "BoundForward(cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved)")
+      .def("__call__", &BoundForward::operator(),
+           "(q, k, pos, pos_offset) -> (q_out, k_out): rope(...) out of place, forward");
 }

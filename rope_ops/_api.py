@@ -12,7 +12,7 @@ import torch
 from . import _select
 from ._errors import RopeError
 from ._memory import check_inplace_memory
-from ._ops import RopeFunction, rope_call, run_backend
+from ._ops import RopeFunction, bind_forward, rope_call, run_backend
 from .backend import LAYOUTS
 from .embedding import RotaryEmbedding, cached_rope, cached_rope_key, check_rotary_dim
 
@@ -63,11 +63,10 @@ def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | Non
                 plan = _plan(q, k, pos, rotary_dim, style, layout, base, rope, backend, max_position, seq_len)
                 if plan is not None:
                     _select.remember_plan(key, plan)
-            if plan is not None:
-                selected, cos, sin, freq_turns, factor, layout, rotary_dim, interleaved = plan
-                return run_backend(selected, q, k, pos if key[4] is not int else None,
-                                   pos if key[4] is int else 0, cos, sin, freq_turns, factor, layout,
-                                   rotary_dim, interleaved, False, False)
+            if plan is not None:  # the backend's forward, bound to this call kind's constants
+                if key[4] is int:
+                    return plan(q, k, None, pos)
+                return plan(q, k, pos, 0)
     return _apply(q, k, pos, rotary_dim, style, layout, base, scaling, rope, cos_sin, inplace,
                   backend, max_position, seq_len, inverse=False)
 
@@ -191,7 +190,8 @@ def _apply(q, k, pos, rotary_dim, style, layout, base, scaling, rope, cos_sin, i
         if select_only == "plan":
             if needs_grad:
                 return None
-            return (selected, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved)
+            return bind_forward(selected, cos, sin, freq_turns, attention_factor, layout,
+                                rotary_dim, interleaved)
         if select_only:
             return chosen
         if not needs_grad or inverse:  # the hot inference path: straight to the backend

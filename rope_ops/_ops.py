@@ -62,6 +62,22 @@ def run_backend(backend_name, q, k, pos, pos_offset, cos, sin, freq_turns, atten
     return (q_out, k_out) if q_out is not None else made
 
 
+def bind_forward(backend, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved):
+    """``(q, k, pos, pos_offset) -> (q_out, k_out)`` for repeated eager out-of-place forward
+    calls: the backend's own bound launcher when it has one, else run_backend with these
+    constants."""
+    bound = backend.bind_forward(cos, sin, freq_turns, attention_factor, layout, rotary_dim,
+                                 interleaved)
+    if bound is not None:
+        return bound
+
+    def forward(q, k, pos, pos_offset):
+        return run_backend(backend, q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor,
+                           layout, rotary_dim, interleaved, False, False)
+
+    return forward
+
+
 @torch.library.impl(_LIB, "rope", "CompositeExplicitAutograd")
 def _rope_kernel(q, k, pos, pos_offset, cos, sin, rope_key, layout, rotary_dim, interleaved, inverse,
                  backend):

@@ -198,6 +198,8 @@ def build(archs: list[str] | None = None, *, force: bool = False, verbose: bool 
         "sources": digest, "dir": str(out),
     }, indent=1))
     _state["module"] = module
+    if os.environ.get("ROPE_OPS_CUDA_PDL", "1") == "0":
+        set_launch(pdl=0)  # no programmatic dependent launch (see set_launch)
     _state["eager"] = module.rope
     _state["op"] = op
     return []
@@ -258,6 +260,15 @@ class CudaBackend(Backend):
         return (q_out, k_out) if made else None
 
 
+    def bind_forward(self, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved):
+        """The C++ BoundForward: rope_ops.apply's cached plan calls it with (q, k, pos, pos_offset)."""
+        if _state["module"] is None or _is_compiling():
+            return None
+        return _state["module"].BoundForward(cos, sin, freq_turns, float(attention_factor),
+                                             _LAYOUT_CODES[layout], int(rotary_dim),
+                                             bool(interleaved))
+
+
 def set_tuning(max_heads_per_thread: int = 0, min_threads_per_sm: int = 0) -> None:
     """Grid tuning of the fast kernel, process-wide (benchmarks); 0 leaves a knob unchanged."""
     torch.ops.rope_ops_cuda.set_tuning(max_heads_per_thread, min_threads_per_sm)
@@ -267,6 +278,18 @@ def set_config(variant: int = -1, max_heads_per_thread: int = -1, min_threads_pe
     """Force a fast-kernel variant and grid knobs for every call (benchmarks); -1 restores the
     per-class defaults (kDefaultConfig in csrc/rope_kernels.cu)."""
     torch.ops.rope_ops_cuda.set_config(variant, max_heads_per_thread, min_threads_per_sm)
+
+
+def set_launch(block_threads: int = -1, rows_on_the_fly: int = -1, pdl: int = -1) -> None:
+    """Launch knobs for every call (benchmarks); -1 restores a knob's default.
+
+    block_threads: threads per block (32..256; default per call class). rows_on_the_fly: 1 computes
+    every cos/sin row from the fixed-point frequencies instead of reading the table (tables built
+    by rope_ops only; default per call class). pdl: 0 turns programmatic dependent launch off
+    (on by default on sm_90+; also ROPE_OPS_CUDA_PDL=0): with it a kernel is scheduled while the
+    previous kernel in the stream drains and waits for it before touching memory.
+    """
+    torch.ops.rope_ops_cuda.set_launch(block_threads, rows_on_the_fly, pdl)
 
 
 def num_variants() -> int:
