@@ -37,17 +37,18 @@ struct TuneConfig {
 // Index: small * 4 + inplace * 2 + neox. small = decode-sized (fewer than 2048 threads per SM
 // at one head per thread); inplace = rotary dims only; neox = half-split pairs (gptj otherwise).
 // W1/W4/W5: large/out/neox. W2: small/out/neox. W3: large/in/gptj and large/out/gptj.
-// Measured on the H200 (tools/gpu_cuda_check.py --perf-only --sweep, 2026-12-01, BENCHMARKS.md):
-// large out neox (W1/W4/W5) {4, 4, 2048}: in one run W1 83.8, W4 137.2, W5 296.2 us, against
-// 83.8 / 140.4 / 296.1 for {4, 4, 8192} and 88.6 / 143.3 / 305.2 for the first default
-// {1, 8, 4096}; W2 3.90 us with {4, 2, 128}; W3 in place 22.4 us with {4, 4, 2048}; W3 out of
-// place 69.3 us with {5, 8, 4096}. Rows no workload measured copy their nearest measured
-// neighbour.
+// Measured on the H200 (tools/gpu_cuda_check.py --sweep, 2026-12-01, commit 36e8d39, PDL on,
+// benchmarks/h200-2026-12-01b/): large out neox {4, 4, 2048}: W1 83.2, W4 136.1, W5 295.5 us
+// (sweep bests 83.6 / 135.9 / 293.6: within noise of the default); W2 3.12 us ({4, 2, 128}; the
+// grid knobs and block sizes 64-256 all give 3.05-3.11 us; rows on the fly 3.49-3.86 us, slower
+// than the table); W3 in place 21.15 us with blocks of 128 against 21.63 with 256; W3 out of
+// place 67.6 us with blocks of 128 against 68.3. Rows no workload measured copy their nearest
+// measured neighbour.
 TuneConfig kDefaultConfig[8] = {
-    /* large out gptj */ {5, 8, 4096, 256, 0},
+    /* large out gptj */ {5, 8, 4096, 128, 0},
     /* large out neox */ {4, 4, 2048, 256, 0},
-    /* large in  gptj */ {4, 4, 2048, 256, 0},
-    /* large in  neox */ {4, 4, 2048, 256, 0},
+    /* large in  gptj */ {4, 4, 2048, 128, 0},
+    /* large in  neox */ {4, 4, 2048, 128, 0},
     /* small out gptj */ {4, 2, 128, 256, 0},
     /* small out neox */ {4, 2, 128, 256, 0},
     /* small in  gptj */ {4, 2, 128, 256, 0},

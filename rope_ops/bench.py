@@ -347,12 +347,35 @@ def environment(device) -> dict:
     return info
 
 
+def provider_cuda_without_pdl():
+    """The CUDA backend with programmatic dependent launch off: in the benchmark each call
+    follows another RoPE call, whose early trigger PDL exploits; after a kernel without one (a
+    GEMM) the gain is smaller. Both rows are shown so the difference is visible."""
+    from rope_ops_backends import cuda_backend
+
+    inner = provider_rope_ops("cuda")
+
+    def build(w: Workload, sets: list[InputSet], rope):
+        def without_pdl(run):
+            def run_without_pdl():
+                cuda_backend.set_launch(pdl=0)  # read at launch, so also when captured
+                try:
+                    return run()
+                finally:
+                    cuda_backend.set_launch(pdl=-1)
+            return run_without_pdl
+        return [without_pdl(r) for r in inner(w, sets, rope)]
+    return build
+
+
 def providers_for(device, wanted: list[str] | None) -> dict:
     found = {}
     loaded, _ = registry.load_all()
     for name, backend in loaded.items():
         if not backend.availability() and ("*" in backend.device_types or device.type in backend.device_types):
             found[f"rope_ops:{name}"] = provider_rope_ops(name)
+            if name == "cuda" and device.type == "cuda":
+                found["rope_ops:cuda (PDL off)"] = provider_cuda_without_pdl()
     found["hf-eager"] = provider_hf(compiled=False)
     found["hf-compile"] = provider_hf(compiled=True)
     if device.type == "cuda":

@@ -289,6 +289,8 @@ def set_launch(block_threads: int = -1, rows_on_the_fly: int = -1, pdl: int = -1
     (on by default on sm_90+; also ROPE_OPS_CUDA_PDL=0): with it a kernel is scheduled while the
     previous kernel in the stream drains and waits for it before touching memory.
     """
+    if pdl == -1 and os.environ.get("ROPE_OPS_CUDA_PDL", "1") == "0":
+        pdl = 0  # the process default chosen by the environment
     torch.ops.rope_ops_cuda.set_launch(block_threads, rows_on_the_fly, pdl)
 
 
