@@ -4,7 +4,9 @@
 
 Rows: the backend's run() alone; rope_ops.apply eager (what users call); the same call through
 the dispatcher (torch.ops.rope_ops.rope, as torch.compile would); apply with autograd recording
-(forward only); apply forward+backward. Wall time per call over a plain loop, synchronised once.
+(forward only); apply forward+backward (into leaf .grad, accumulating) and forward +
+torch.autograd.grad (q, k as activations), next to torch's own floor for the latter: an
+autograd.Function whose forward and backward only allocate. Wall time per call over a plain loop, synchronised once.
 """
 
 from __future__ import annotations
@@ -58,6 +60,23 @@ def main() -> None:
         a, b = rope_ops.apply(qg, kg, pos, rope=rope, backend=name)
         torch.autograd.backward((a, b), (q, k))
 
+    def fwd_grad():  # q, k as activations: gradients to them, no accumulation into leaves
+        a, b = rope_ops.apply(qg, kg, pos, rope=rope, backend=name)
+        return torch.autograd.grad((a, b), (qg, kg), (q, k))
+
+    class Identity(torch.autograd.Function):  # torch's own floor: one op forward and backward
+        @staticmethod
+        def forward(ctx, x, y):
+            return torch.empty_like(x), torch.empty_like(y)
+
+        @staticmethod
+        def backward(ctx, gx, gy):
+            return torch.empty_like(gx), torch.empty_like(gy)
+
+    def identity_grad():
+        a, b = Identity.apply(qg, kg)
+        return torch.autograd.grad((a, b), (qg, kg), (q, k))
+
     rows = {
         "backend.run() alone (outputs preallocated)": lambda: backend.run(kernel_args),
         "rope_ops.apply eager": lambda: rope_ops.apply(q, k, pos, rope=rope, backend=name),
@@ -65,6 +84,8 @@ def main() -> None:
             q, k, pos, 0, None, None, rope.key, "thd", 128, False, False, name),
         "rope_ops.apply recording autograd (forward)": lambda: rope_ops.apply(qg, kg, pos, rope=rope, backend=name),
         "rope_ops.apply forward + backward": fwd_bwd,
+        "rope_ops.apply forward + autograd.grad": fwd_grad,
+        "floor: empty autograd.Function + autograd.grad": identity_grad,
     }
     print(f"host cost per call, W2 shapes, backend {name}, device {device}, torch {torch.__version__}")
     for label, fn in rows.items():
