@@ -714,7 +714,7 @@ def build_sets(w, cos, sin, ft, nsets, gen):
     return sets
 
 
-def perf(rn: Runner, sweep: bool, strict: bool):
+def perf(rn: Runner, sweep: bool, strict: bool, only: str | None = None, wide: bool = False):
     print("\n== timing (CUDA graphs, rotating input sets, bf16, table of 131072 rows)")
     cb = rn.cb
     bw = copy_bandwidth()
@@ -724,6 +724,8 @@ def perf(rn: Runner, sweep: bool, strict: bool):
     rows_out = []
     winners = []
     for name, w in workloads():
+        if only and not name.startswith(tuple(only.split(","))):
+            continue
         try:
             inv, cos, sin, ft = tables(w["r"], w["base"], 131072)
             per_set = floor_bytes(w)
@@ -766,7 +768,8 @@ def perf(rn: Runner, sweep: bool, strict: bool):
             if sweep:
                 verify = make_verify(sets, run, w["inplace"])
                 key = class_key(w)
-                best, bt, wrong = tuning_sweep(cb, calls, reps, t, verify, key.startswith("small"))
+                best, bt, wrong = tuning_sweep(cb, calls, reps, t, verify, key.startswith("small"),
+                                               wide)
                 winners.append((name, key, t, bt))
                 if wrong:  # an accuracy failure, not a perf miss
                     msg = f"{name}: configs whose outputs differ from the default's: {wrong}"
@@ -870,6 +873,13 @@ def sweep_configs(cb, small):
     return cfgs
 
 
+def wide_configs():
+    """--wide: heads per thread x threads per SM x block size for the pipelined variants (the
+    grid's wave quantization: how full the last wave of blocks is)."""
+    return [(v, mh, mt, bt, -1, -1) for v in (3, 4) for mh in (2, 3, 4, 5, 6, 8)
+            for mt in (1024, 2048) for bt in (64, 128, 256)]
+
+
 def refine_configs(best):
     """Block size and PDL around the best (v, mh, mt) of the first pass."""
     v, mh, mt = best[:3]
@@ -880,7 +890,7 @@ def snapshot_outputs(args_list):
     return [t.clone() for t in args_list if t is not None]
 
 
-def tuning_sweep(cb, calls, reps, baseline, verify, small):
+def tuning_sweep(cb, calls, reps, baseline, verify, small, wide=False):
     """Times every config; `verify()` returns False when a config's outputs differ (bitwise) from
     the default config's. Returns (summary line, best (t, v, mh, mt), wrong configs)."""
     results = []
@@ -902,7 +912,7 @@ def tuning_sweep(cb, calls, reps, baseline, verify, small):
                 cb.set_config(-1, -1, -1)  # per-class defaults
                 cb.set_launch(-1, -1, -1)
 
-    time_configs(sweep_configs(cb, small))
+    time_configs(wide_configs() if wide and not small else sweep_configs(cb, small))
     if not small and results:
         time_configs(refine_configs(min(results)[1:]))
     results.sort()
@@ -1024,6 +1034,9 @@ def main() -> int:
     ap.add_argument("--perf-only", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="sweep the grid-tuning knobs")
     ap.add_argument("--strict-perf", action="store_true", help="exit 1 on a missed perf target")
+    ap.add_argument("--only", default=None, help="time only workloads whose names start so (comma list: W1,W4)")
+    ap.add_argument("--wide", action="store_true",
+                    help="with --sweep: heads x threads x block size grid for the large classes")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every passing case")
     a = ap.parse_args()
     t_start = time.time()
@@ -1050,7 +1063,7 @@ def main() -> int:
         print(f"kernel paths taken: fast {paths.count(1)}, generic {paths.count(2)}")
     perf_fail = []
     if not a.no_perf:
-        perf_fail = perf(rn, a.sweep, a.strict_perf)
+        perf_fail = perf(rn, a.sweep, a.strict_perf, a.only, a.wide)
     print(f"\ntotal {time.time() - t_start:.0f} s")
     if rn.failures or perf_fail:
         print(f"FAILED: {len(rn.failures)} accuracy problems, {len(perf_fail)} perf misses")
