@@ -916,6 +916,8 @@ def tuning_sweep(cb, calls, reps, baseline, verify, small, wide=False):
     if not small and results:
         time_configs(refine_configs(min(results)[1:]))
     results.sort()
+    if wide and not small:  # every config, to pick one that suits the whole class
+        print("      all: " + "; ".join(f"{r[1:5]}={r[0]:.2f}" for r in sorted(results, key=lambda r: r[1:])))
     if not small:
         per_variant = {}
         for r in results:
