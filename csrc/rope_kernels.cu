@@ -34,17 +34,22 @@ constexpr int kMaxThreads = 256;  // most threads per block (launch bounds of bo
 struct TuneConfig {
   int variant, max_heads_per_thread, min_threads_per_sm, block_threads, rows_on_the_fly;
 };
-// Index: small * 4 + inplace * 2 + neox. small = decode-sized (fewer than 2048 threads per SM
-// at one head per thread); inplace = rotary dims only; neox = half-split pairs (gptj otherwise).
-// W1/W4/W5: large/out/neox. W2: small/out/neox. W3: large/in/gptj and large/out/gptj.
-// Measured on the H200 (tools/gpu_cuda_check.py --sweep, 2026-12-01, commit 36e8d39, PDL on,
-// benchmarks/h200-2026-12-01b/): large out neox {4, 4, 2048}: W1 83.2, W4 136.1, W5 295.5 us
-// (sweep bests 83.6 / 135.9 / 293.6: within noise of the default); W2 3.12 us ({4, 2, 128}; the
-// grid knobs and block sizes 64-256 all give 3.05-3.11 us; rows on the fly 3.49-3.86 us, slower
-// than the table); W3 in place 21.15 us with blocks of 128 against 21.63 with 256; W3 out of
-// place 67.6 us with blocks of 128 against 68.3. Rows no workload measured copy their nearest
-// measured neighbour.
-TuneConfig kDefaultConfig[8] = {
+// Index: many * 8 + small * 4 + inplace * 2 + neox. many = at least 64 heads per token (q + k);
+// small = decode-sized (fewer than 2048 threads per SM at one head per thread); inplace = rotary
+// dims only; neox = half-split pairs (gptj otherwise).
+// W1: large/out/neox. W4, W5: many/large/out/neox. W2: small/out/neox. W3: large/in/gptj and
+// large/out/gptj. Measured on the H200 (tools/gpu_cuda_check.py --sweep [--wide], 2026-12-01,
+// PDL on, benchmarks/h200-2026-12-01b/):
+// - large out neox {4, 4, 2048, 256}: W1 83.2-83.7 us; 5 or 6 heads per thread give 84.0-84.6.
+// - many large out neox {4, 6, 2048, 128}: W4 133.96-134.0 us, W5 293.5 us, against 134.5-134.6
+//   and 295.5 for {4, 4, 2048, 256} in the same runs (W4 has 64 heads, W5 72: six heads per
+//   thread amortise a thread's index math and cos/sin loads over more rows).
+// - small out neox {4, 2, 128, 256}: W2 3.09-3.12 us; blocks of 64-256 all give 3.05-3.11; rows
+//   on the fly 3.49-3.86 us, slower than the table.
+// - large in gptj: W3 in place 21.15 us with blocks of 128 against 21.63 with 256.
+// - large out gptj: W3 out of place 67.6 us with blocks of 128 against 68.3 with 256.
+// Rows no workload measured copy their nearest measured neighbour.
+TuneConfig kDefaultConfig[16] = {
     /* large out gptj */ {5, 8, 4096, 128, 0},
     /* large out neox */ {4, 4, 2048, 256, 0},
     /* large in  gptj */ {4, 4, 2048, 128, 0},
@@ -53,6 +58,14 @@ TuneConfig kDefaultConfig[8] = {
     /* small out neox */ {4, 2, 128, 256, 0},
     /* small in  gptj */ {4, 2, 128, 256, 0},
     /* small in  neox */ {4, 2, 128, 256, 0},
+    /* many large out gptj */ {5, 8, 4096, 128, 0},
+    /* many large out neox */ {4, 6, 2048, 128, 0},
+    /* many large in  gptj */ {4, 4, 2048, 128, 0},
+    /* many large in  neox */ {4, 4, 2048, 128, 0},
+    /* many small out gptj */ {4, 2, 128, 256, 0},
+    /* many small out neox */ {4, 2, 128, 256, 0},
+    /* many small in  gptj */ {4, 2, 128, 256, 0},
+    /* many small in  neox */ {4, 2, 128, 256, 0},
 };
 // Programmatic dependent launch (sm_90+): launch with programmatic stream serialization, so the
 // grid is scheduled while the previous kernel drains; every kernel waits (griddepcontrol.wait)
@@ -66,8 +79,9 @@ int g_block_threads = -1;
 int g_rows_on_the_fly = -1;
 int g_last_variant = -2;  // variant of the last fast-path launch (-1: one head per thread)
 
-TuneConfig effective_config(bool small, bool inplace, bool neox) {
-  TuneConfig c = kDefaultConfig[(small ? 4 : 0) + (inplace ? 2 : 0) + (neox ? 1 : 0)];
+TuneConfig effective_config(bool many, bool small, bool inplace, bool neox) {
+  TuneConfig c =
+      kDefaultConfig[(many ? 8 : 0) + (small ? 4 : 0) + (inplace ? 2 : 0) + (neox ? 1 : 0)];
   if (g_variant >= 0) c.variant = g_variant;
   if (g_max_heads_per_thread >= 1) c.max_heads_per_thread = g_max_heads_per_thread;
   if (g_min_threads_per_sm >= 1) c.min_threads_per_sm = g_min_threads_per_sm;
@@ -663,7 +677,7 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
     const int64_t CT = CR + CP;
     // Call class and its knobs (default_config), unless rope_set_config forced some.
     const bool small = tokens * CT * Ht < (int64_t)sms * 2048;  // decode-sized: < one full wave
-    const TuneConfig cfg = effective_config(small, !p.copy_passthrough, NEOX);
+    const TuneConfig cfg = effective_config(Ht >= 64, small, !p.copy_passthrough, NEOX);
     // Heads per thread: as many as possible (reuse of cos/sin, fewer index computations) while
     // keeping at least cfg.min_threads_per_sm threads per SM; decode-sized calls get one head each.
     const int64_t per_lane = tokens * CT;

@@ -768,7 +768,7 @@ def perf(rn: Runner, sweep: bool, strict: bool, only: str | None = None, wide: b
             if sweep:
                 verify = make_verify(sets, run, w["inplace"])
                 key = class_key(w)
-                best, bt, wrong = tuning_sweep(cb, calls, reps, t, verify, key.startswith("small"),
+                best, bt, wrong = tuning_sweep(cb, calls, reps, t, verify, "small" in key,
                                                wide)
                 winners.append((name, key, t, bt))
                 if wrong:  # an accuracy failure, not a perf miss
@@ -843,12 +843,14 @@ def pattern_floor(w, reps):
 
 
 def class_key(w):
-    """The kDefaultConfig row (csrc/rope_kernels.cu) of a workload: small/large, in/out, style."""
+    """The kDefaultConfig row (csrc/rope_kernels.cu) of a workload: [many] small/large, in/out,
+    style (many: at least 64 heads per token)."""
     ct = (w["r"] // 2 // 8) if w["style"] == "neox" else w["r"] // 8
     if not w["inplace"]:
         ct += (w["D"] - w["r"]) // 8
     small = w["B"] * w["S"] * ct * (w["Hq"] + w["Hk"]) < torch.cuda.get_device_properties(0).multi_processor_count * 2048
-    return f"{'small' if small else 'large'} {'in ' if w['inplace'] else 'out'} {w['style']}"
+    many = "many " if w["Hq"] + w["Hk"] >= 64 else ""
+    return f"{many}{'small' if small else 'large'} {'in ' if w['inplace'] else 'out'} {w['style']}"
 
 
 def sweep_configs(cb, small):
