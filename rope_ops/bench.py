@@ -212,11 +212,12 @@ def provider_liger():
 # Timing
 
 
-def gpu_time_per_call(closures, graph_seconds: float = 5e-3, max_calls: int = 1000,
+def gpu_time_per_call(closures, graph_seconds: float = 20e-3, max_calls: int = 1000,
                       repeats: int = 5) -> float:
     """Seconds per call from CUDA-graph replay, after warm-up, rotating the input sets.
 
-    The graph holds enough calls for ~graph_seconds of GPU time (at least 20, at most max_calls),
+    The graph holds enough calls for ~graph_seconds of GPU time (at least 20, at most max_calls;
+    20 ms as in tools/gpu_cuda_check.py),
     so the replay's own start-up (~10-20 us) is spread thin: with 20 calls of a 130 us workload
     it still added ~1 % per call.
     """
