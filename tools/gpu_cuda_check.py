@@ -708,8 +708,12 @@ def build_sets(w, cos, sin, ft, nsets, gen):
             attention_factor=1.0, layout=w["layout"], rotary_dim=w["r"],
             interleaved=w["style"] == "gptj", inverse=inv, inplace=w["inplace"])
         fwd = mk(q, k, qo, ko, False)
-        # backward: gradients of the outputs (here the outputs themselves) rotated back
-        bwd = mk(qo, ko, torch.empty_like(q), torch.empty_like(k), True) if w["bwd"] else None
+        # backward: gradients of the outputs rotated back; separate tensors, as in training and
+        # in rope_ops.bench (reading the forward's outputs would find part of them in L2)
+        bwd = None
+        if w["bwd"]:
+            bwd = mk(torch.randn_like(q), torch.randn_like(k), torch.empty_like(q),
+                     torch.empty_like(k), True)
         sets.append((fwd, bwd))
     return sets
 
