@@ -212,32 +212,20 @@ def provider_liger():
 # Timing
 
 
-def gpu_time_per_call(closures, graph_seconds: float = 20e-3, max_calls: int = 1000,
-                      repeats: int = 5) -> float:
-    """Seconds per call from CUDA-graph replay, after warm-up, rotating the input sets.
-
-    The graph holds enough calls for ~graph_seconds of GPU time (at least 20, at most max_calls;
-    20 ms as in tools/gpu_cuda_check.py),
-    so the replay's own start-up (~10-20 us) is spread thin: with 20 calls of a 130 us workload
-    it still added ~1 % per call.
-    """
+def warm_up(closures, rounds: int = 3) -> None:
+    """Run the calls on a side stream (as CUDA-graph capture wants) and wait for them."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for fn in closures * 3:
+        for fn in closures * rounds:
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    calls = 20
-    seconds = _graph_replay_time(closures, calls, repeats=3)
-    wanted = max(20, min(max_calls, int(graph_seconds / max(seconds, 1e-9))))
-    if wanted > calls:
-        seconds = _graph_replay_time(closures, wanted, repeats)
-    return seconds
 
 
-def _graph_replay_time(closures, calls: int, repeats: int) -> float:
-    """Median seconds per call of one graph holding `calls` calls (rotating the closures)."""
+def graph_seconds_per_call(closures, calls: int, repeats: int = 5, reduce=statistics.median) -> float:
+    """Seconds per call of one CUDA graph holding `calls` calls (rotating through the closures),
+    replayed `repeats` times; `reduce` picks from the replays (median, or min)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(calls):
@@ -253,7 +241,23 @@ def _graph_replay_time(closures, calls: int, repeats: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / calls)
     del graph
-    return statistics.median(times)
+    return reduce(times)
+
+
+def gpu_time_per_call(closures, graph_seconds: float = 20e-3, max_calls: int = 1000,
+                      repeats: int = 5) -> float:
+    """Seconds per call from CUDA-graph replay, after warm-up, rotating the input sets.
+
+    The graph holds enough calls for ~graph_seconds of GPU time (at least 20, at most
+    max_calls), so the replay's own start-up (~10-20 us) is spread thin: with 20 calls of a
+    130 us workload it still added ~1 % per call.
+    """
+    warm_up(closures)
+    seconds = graph_seconds_per_call(closures, 20, repeats=3)
+    wanted = max(20, min(max_calls, int(graph_seconds / max(seconds, 1e-9))))
+    if wanted > 20:
+        seconds = graph_seconds_per_call(closures, wanted, repeats)
+    return seconds
 
 
 def host_time_per_call(closures, device, iterations: int = 200) -> float:

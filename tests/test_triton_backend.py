@@ -11,7 +11,6 @@ Otherwise every test is skipped.
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -32,6 +31,7 @@ pytest.importorskip("triton")
 
 from rope_ops._reference import rope_reference  # noqa: E402
 from rope_ops.backend import KernelArgs  # noqa: E402
+from rope_ops.frequencies import freq_turns_of  # noqa: E402
 
 import rope_ops_backends.triton_backend as tb  # noqa: E402
 
@@ -57,15 +57,6 @@ def tables(inv_freq: torch.Tensor, n_rows: int, m: float, device):
     cos = (m * torch.cos(theta)).to(torch.float32).to(device).contiguous()
     sin = (m * torch.sin(theta)).to(torch.float32).to(device).contiguous()
     return cos, sin
-
-
-def freq_turns_of(inv_freq: torch.Tensor, device) -> torch.Tensor:
-    vals = []
-    for f in inv_freq.tolist():
-        t = f / (2 * math.pi)
-        v = int((t - math.floor(t)) * 2.0**64)
-        vals.append(v - (1 << 64) if v >= (1 << 63) else v)
-    return torch.tensor(vals, dtype=torch.int64, device=device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +142,7 @@ def run_case(*, layout="bshd", B=2, S=3, hq=4, hk=2, D=16, R=None, dtype=torch.f
 
     inv_freq = inv_freq_of(R, base)
     cos, sin = tables(inv_freq, n_rows, m, DEVICE)
-    turns = None if caller else freq_turns_of(inv_freq, DEVICE)
+    turns = None if caller else freq_turns_of(inv_freq).to(DEVICE)
     if inplace:
         q_out, k_out = q, k
     elif out_contig:
@@ -233,7 +224,7 @@ def test_noncontiguous_head_dim():
     pos = torch.arange(3, device=DEVICE)
     out = torch.empty(q.shape, device=DEVICE)
     args = KernelArgs(q=q, k=None, q_out=out, k_out=None, pos=pos, pos_offset=0, cos=cos,
-                      sin=sin, freq_turns=freq_turns_of(inv_freq, DEVICE), attention_factor=1.0,
+                      sin=sin, freq_turns=freq_turns_of(inv_freq).to(DEVICE), attention_factor=1.0,
                       layout="bshd", rotary_dim=16, interleaved=False, inverse=False,
                       inplace=False)
     tb.TritonBackend().run(args)
@@ -294,7 +285,7 @@ def test_inverse_undoes_forward():
     q = make_input("bshd", 2, 4, 3, 16, torch.float32, gen)
     inv_freq = inv_freq_of(16, 10000.0)
     cos, sin = tables(inv_freq, 32, 1.0, DEVICE)
-    turns = freq_turns_of(inv_freq, DEVICE)
+    turns = freq_turns_of(inv_freq).to(DEVICE)
     pos = torch.tensor([[0, 5, 31, 40], [7, -2, 1 << 19, 3]], device=DEVICE)
     out = torch.empty_like(q)
     back = torch.empty_like(q)
@@ -380,7 +371,7 @@ def test_allocates_outputs(hk):
     assert be.allocates_outputs
     for _ in range(2):  # the plan's first (JIT) and later calls
         args = KernelArgs(q=q, k=k, q_out=None, k_out=None, pos=pos, pos_offset=0, cos=cos,
-                          sin=sin, freq_turns=freq_turns_of(inv_freq, DEVICE),
+                          sin=sin, freq_turns=freq_turns_of(inv_freq).to(DEVICE),
                           attention_factor=1.0, layout="bshd", rotary_dim=16, interleaved=False,
                           inverse=False, inplace=False)
         made = be.run(args)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
-import statistics
 import sys
 import time
 import traceback
@@ -45,8 +44,10 @@ def _import_backend():
     return cb
 
 
+from rope_ops import bench  # noqa: E402
 from rope_ops._reference import rope_reference  # noqa: E402
 from rope_ops.backend import KernelArgs  # noqa: E402
+from rope_ops.frequencies import freq_turns_of  # noqa: E402
 
 DEV = "cuda"
 HEAD_AXIS = {"bshd": 2, "sbhd": 2, "bhsd": 1, "thd": 1}
@@ -59,16 +60,6 @@ HEAD_AXIS = {"bshd": 2, "sbhd": 2, "bhsd": 1, "thd": 1}
 def inv_freq_of(rotary_dim: int, base: float) -> torch.Tensor:
     i = torch.arange(rotary_dim // 2, dtype=torch.float64)
     return base ** (-2.0 * i / rotary_dim)
-
-
-def freq_turns_of(inv_freq: torch.Tensor) -> torch.Tensor:
-    vals = []
-    for f in inv_freq.tolist():
-        t = f / (2.0 * math.pi)
-        t -= math.floor(t)
-        v = int(t * 2.0**64) % 2**64
-        vals.append(v - 2**64 if v >= 2**63 else v)
-    return torch.tensor(vals, dtype=torch.int64)
 
 
 def tables(rotary_dim: int, base: float, rows: int, m: float = 1.0):
@@ -598,56 +589,13 @@ def large_tensor(rn: Runner):
 
 def graph_time_us(calls, reps, trials=7):
     """Median GPU time per call (us): `reps` calls (rotating through `calls`) in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in calls:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            calls[i % len(calls)]()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    del g
-    return statistics.median(times)
+    bench.warm_up(calls, rounds=1)
+    return bench.graph_seconds_per_call(calls, reps, trials) * 1e6
 
 
 def copy_bandwidth():
-    """Bytes read + written per second of a 2 GiB device-to-device copy."""
-    n = 2 << 30
-    a = torch.empty(n, dtype=torch.uint8, device=DEV)
-    b = torch.empty(n, dtype=torch.uint8, device=DEV)
-    a.fill_(1)
-    for _ in range(2):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(5):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e-3)
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * n / statistics.median(ts)
-
-
-def l2_bytes():
-    props = torch.cuda.get_device_properties(0)
-    return int(getattr(props, "L2_cache_size", 0) or 50 << 20)
+    """Bytes read + written per second of a 2 GiB device-to-device copy (rope_ops.bench's)."""
+    return bench.copy_bandwidth(torch.device(DEV))
 
 
 def workloads():
@@ -723,7 +671,7 @@ def perf(rn: Runner, sweep: bool, strict: bool, only: str | None = None, wide: b
     cb = rn.cb
     bw = copy_bandwidth()
     print(f"same-run 2 GiB device-to-device copy: {bw / 1e9:.0f} GB/s (read + written)")
-    l2 = l2_bytes()
+    l2 = bench.l2_bytes(torch.device(DEV))
     misses = []
     rows_out = []
     winners = []

@@ -36,7 +36,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rope_ops import bench  # noqa: E402
 from rope_ops.backend import KernelArgs  # noqa: E402
+from rope_ops.frequencies import freq_turns_of  # noqa: E402
 
 try:
     import rope_ops_backends.triton_backend as tb  # noqa: E402
@@ -66,15 +68,6 @@ def inv_freq_of(rotary_dim, base):
 def tables(inv_freq, n_rows, device, m=1.0):
     theta = torch.arange(n_rows, dtype=torch.float64, device=device)[:, None] * inv_freq.to(device)
     return ((m * torch.cos(theta)).float().contiguous(), (m * torch.sin(theta)).float().contiguous())
-
-
-def freq_turns_of(inv_freq, device):
-    vals = []
-    for f in inv_freq.tolist():
-        t = f / (2 * math.pi)
-        v = int((t - math.floor(t)) * 2.0**64)
-        vals.append(v - (1 << 64) if v >= (1 << 63) else v)
-    return torch.tensor(vals, dtype=torch.int64, device=device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +100,7 @@ class Work:
         self.device = device
         self.inv_freq = inv_freq_of(self.R, base)
         self.cos, self.sin = tables(self.inv_freq, n_rows, device)
-        self.turns = freq_turns_of(self.inv_freq, device)
+        self.turns = freq_turns_of(self.inv_freq).to(device)
         g = torch.Generator(device=device).manual_seed(gen_seed)
         shape = (lambda h: (self.B * self.S, h, self.D)) if self.layout == "thd" else (
             lambda h: (self.B, self.S, h, self.D))
@@ -217,44 +210,16 @@ def check_workload(w: Work, backend):
 
 
 def graph_time_us(fns, reps=None, iters=5):
-    """Per-call GPU time: the calls captured in one CUDA graph, replayed."""
+    """Per-call GPU time: `reps` rounds of the calls captured in one CUDA graph, best replay."""
     if reps is None:
         reps = max(1, 64 // len(fns))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            for f in fns:
-                f()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for f in fns:
-                f()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(iters):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (reps * len(fns)))
-    del g
-    return best
+    bench.warm_up(fns, rounds=2)
+    return bench.graph_seconds_per_call(fns, reps * len(fns), iters, reduce=min) * 1e6
 
 
 def copy_bandwidth():
-    n = (2 << 30) // 2
-    src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    us = graph_time_us([lambda: dst.copy_(src)], reps=4)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * (2 << 30) / (us * 1e-6)  # bytes/s, read + write
+    """Bytes read + written per second of a 2 GiB device-to-device copy (rope_ops.bench's)."""
+    return bench.copy_bandwidth(torch.device("cuda"))
 
 
 def same_bytes_copy_us(w: Work, rotary_only=False):
