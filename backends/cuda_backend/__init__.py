@@ -259,7 +259,6 @@ class CudaBackend(Backend):
                      args.rotary_dim, args.interleaved, args.inverse, args.inplace)
         return (q_out, k_out) if made else None
 
-
     def bind_forward(self, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved):
         """The C++ BoundForward: rope_ops.apply's cached plan calls it with (q, k, pos, pos_offset)."""
         if _state["module"] is None or _is_compiling():
