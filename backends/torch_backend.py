@@ -2,7 +2,8 @@
 
 Lean on purpose: one gather of the table rows per call (shared by q and k and all heads), the
 rotation as a few broadcast tensor ops in float32 (float64 for float64 inputs), one rounding to
-the input dtype at the end, no Python loop over heads or tokens.
+the input dtype at the end, no Python loop over heads (on the CPU, a loop over slices of tokens
+keeps the temporaries small).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import torch
 
 from rope_ops.backend import FLOAT_DTYPES, Backend, KernelArgs, bshd_view, cos_sin_rows, positions_bs
+
+_CPU_CHUNK_ELEMENTS = 1 << 19  # rotary elements per slice on the CPU (float32 temporaries ~1 MB)
 
 
 class TorchBackend(Backend):
@@ -34,7 +37,18 @@ class TorchBackend(Backend):
         for x, out in ((args.q, args.q_out), (args.k, args.k_out)):
             if x is None:
                 continue
-            self._rotate(bshd_view(x, args.layout), bshd_view(out, args.layout), cos, sin, args, compute_dtype)
+            x, out = bshd_view(x, args.layout), bshd_view(out, args.layout)
+            step = seq
+            if x.device.type == "cpu":
+                # On the CPU, temporaries of many MB are fresh pages each time (page faults cost
+                # more than the arithmetic): rotate in slices of tokens whose temporaries stay
+                # small enough to be reused from the allocator and to sit in cache.
+                per_token = max(1, batch * x.shape[2] * args.rotary_dim)
+                step = max(1, _CPU_CHUNK_ELEMENTS // per_token)
+            for s0 in range(0, seq, step):
+                s1 = min(seq, s0 + step)
+                self._rotate(x[:, s0:s1], out[:, s0:s1], cos[:, s0:s1], sin[:, s0:s1], args,
+                             compute_dtype)
 
     @staticmethod
     def _rotate(x, out, cos, sin, args: KernelArgs, compute_dtype) -> None:
