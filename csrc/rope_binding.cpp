@@ -7,6 +7,7 @@
 // 0 bshd, 1 sbhd, 2 bhsd, 3 thd), fills a RopeParams and launches on the current stream.
 // rope_ops validated the call already; the checks here are cheap guards against misuse of the op
 // on its own (they never look at data and never synchronize).
+#include <ATen/ExpandUtils.h>
 #include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -224,13 +225,15 @@ void rope_cuda(const at::Tensor& q, const std::optional<at::Tensor>& k, const at
             inplace);
 }
 
-// An uninitialised tensor like t, as at::empty_like(t) gives it (t's strides when t is
-// non-overlapping and dense, else contiguous), straight from the CUDA caching allocator: the
-// dispatcher round trip of empty_like costs ~2-3 us per output on slow host CPUs.
+// An uninitialised tensor like t, with the strides at::empty_like(t) gives it (t's own when t is
+// non-overlapping and dense, else dense strides in t's dimension order), straight from the CUDA
+// caching allocator: the dispatcher round trip of empty_like costs ~2-3 us per output on slow
+// host CPUs.
 at::Tensor empty_like_cuda(const at::Tensor& t) {
   if (t.is_non_overlapping_and_dense())
     return at::detail::empty_strided_cuda(t.sizes(), t.strides(), t.scalar_type(), t.device());
-  return at::detail::empty_cuda(t.sizes(), t.scalar_type(), t.device(), std::nullopt);
+  return at::detail::empty_strided_cuda(t.sizes(), at::infer_dense_strides(t.sizes(), t.strides()),
+                                        t.scalar_type(), t.device());
 }
 
 // The eager entry (pybind11, no dispatcher): same arguments, but q_out may be None (out of

@@ -640,6 +640,7 @@ int pick_path(const RopeParams* p) {
   const uintptr_t tab_align = (!p->interleaved || V / 2 >= 4) ? 16 : 8;
   if (p->table_rows > 0 && (!aligned(p->cos_table, tab_align) || !aligned(p->sin_table, tab_align)))
     return 2;
+  if (p->freq_turns != nullptr && !aligned(p->freq_turns, 16)) return 2;  // 16-byte loads of pairs
   return 1;
 }
 
@@ -668,6 +669,8 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
   const int64_t tokens = p.B * p.S;
   const int64_t Ht = p.Hq + p.Hk;
   const int sms = dev.num_sms > 0 ? dev.num_sms : 132;
+  // PDL needs sm_90 and kernels compiled for it (the wait is compiled out below sm_90: the
+  // Python backend turns PDL off when no build architecture is >= sm_90).
   const bool pdl = g_pdl != 0 && dev.cc_major >= 9;
   cudaError_t err = cudaSuccess;
   if (path == 1) {
@@ -675,11 +678,13 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
     const int64_t CR = NEOX ? (p.R / 2) / V : p.R / V;
     const int64_t CP = (p.copy_passthrough && p.D > p.R) ? (p.D - p.R) / V : 0;
     const int64_t CT = CR + CP;
-    // Call class and its knobs (default_config), unless rope_set_config forced some.
+    // Call class and its knobs (kDefaultConfig), unless rope_set_config / rope_set_launch forced
+    // some.
     const bool small = tokens * CT * Ht < (int64_t)sms * 2048;  // decode-sized: < one full wave
     const TuneConfig cfg = effective_config(Ht >= 64, small, !p.copy_passthrough, NEOX);
     // Heads per thread: as many as possible (reuse of cos/sin, fewer index computations) while
-    // keeping at least cfg.min_threads_per_sm threads per SM; decode-sized calls get one head each.
+    // keeping at least cfg.min_threads_per_sm threads per SM (decode-sized calls: few threads per
+    // SM, so two heads each with the small-class rows).
     const int64_t per_lane = tokens * CT;
     const int64_t want = (int64_t)sms * cfg.min_threads_per_sm;
     int64_t hl = Ht;
@@ -724,13 +729,12 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
     }
 #endif
     (void)emulate;
-    const RopeParams& kp = p;  // passed by value to the kernel (__grid_constant__)
     switch (v) {
 #define ROPE_LAUNCH_CASE(I)                                                                      \
   case I:                                                                                       \
     err = launch_kernel(                                                                        \
         rope_fast_kernel<T, NEOX, kVariants[I].sched, kVariants[I].stage, kVariants[I].hint>,   \
-        blocks, threads, pdl, stream, kp, (int)CR, (int)CT, (int)hl, (long long)total, fly);    \
+        blocks, threads, pdl, stream, p, (int)CR, (int)CT, (int)hl, (long long)total, fly);     \
     break;
       ROPE_LAUNCH_CASE(0)
       ROPE_LAUNCH_CASE(1)
@@ -741,7 +745,7 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
 #undef ROPE_LAUNCH_CASE
       default:
         err = launch_kernel(rope_fast_kernel<T, NEOX, SCHED_ROUNDS, 1, HINT_CS>, blocks, threads,
-                            pdl, stream, kp, (int)CR, (int)CT, (int)hl, (long long)total, fly);
+                            pdl, stream, p, (int)CR, (int)CT, (int)hl, (long long)total, fly);
     }
   } else {
     const int64_t per_head = p.R / 2 + ((p.copy_passthrough && p.D > p.R) ? p.D - p.R : 0);

@@ -372,7 +372,8 @@ def environment(device) -> dict:
 def provider_cuda_without_pdl():
     """The CUDA backend with programmatic dependent launch off: in the benchmark each call
     follows another RoPE call, whose early trigger PDL exploits; after a kernel without one (a
-    GEMM) the gain is smaller. Both rows are shown so the difference is visible."""
+    GEMM) the gain is smaller. Both rows are shown so the difference is visible. Its host time
+    includes switching PDL off and back around every call (two op calls)."""
     from rope_ops_backends import cuda_backend
 
     inner = provider_rope_ops("cuda")

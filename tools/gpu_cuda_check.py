@@ -350,7 +350,7 @@ def accuracy(rn: Runner):
                                  expect_path=1, seed=4)
             finally:
                 rn.cb.set_config(-1, -1, -1)  # the per-class defaults
-    # Every cos/sin row computed from freq_turns (the on-the-fly path the decode class may use)
+    # Every cos/sin row computed from freq_turns (the rows_on_the_fly knob, off in every class)
     # with blocks of 96 threads: the same cases must stay within SPEC's bound of the reference.
     if hasattr(rn.cb, "set_launch"):
         rn.cb.set_launch(96, 1, -1)
@@ -742,7 +742,8 @@ def perf(rn: Runner, sweep: bool, strict: bool, only: str | None = None, wide: b
               f"{tgt:>9s} {ns:5d}  {'ok' if met else 'MISS'}")
     if winners:
         print("\nsweep winners (edit kDefaultConfig in csrc/rope_kernels.cu: {variant, "
-              "max_heads_per_thread, min_threads_per_sm} per class; variant -1 = keep):")
+              "max_heads_per_thread, min_threads_per_sm, block_threads, rows_on_the_fly} per class; "
+              "-1 = keep):")
         for name, key, t, (tb, v, mh, mt, bt, fly, pdl) in winners:
             print(f"  {name:24s} class [{key}]  default {t:8.2f} us  best {tb:8.2f} us  "
                   f"-> {{{v}, {mh}, {mt}, {bt}, {fly}}} pdl={pdl}  "
@@ -846,7 +847,8 @@ def snapshot_outputs(args_list):
 
 def tuning_sweep(cb, calls, reps, baseline, verify, small, wide=False):
     """Times every config; `verify()` returns False when a config's outputs differ (bitwise) from
-    the default config's. Returns (summary line, best (t, v, mh, mt), wrong configs)."""
+    the default config's. Returns (summary line, best (t, v, mh, mt, bt, fly, pdl), wrong
+    configs)."""
     results = []
     wrong = []
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import threading
@@ -37,7 +38,8 @@ PREBUILD_COMMAND = "python -m rope_ops_backends.cuda_backend build --force"
 _LAYOUT_CODES = {"bshd": 0, "sbhd": 1, "bhsd": 2, "thd": 3}
 
 _lock = threading.Lock()
-_state: dict = {"op": None, "eager": None, "module": None, "reasons": None}  # one per process
+_state: dict = {"op": None, "eager": None, "module": None, "reasons": None,
+                "pdl_default": 1}  # one per process
 
 
 def cache_root() -> Path:
@@ -198,8 +200,11 @@ def build(archs: list[str] | None = None, *, force: bool = False, verbose: bool 
         "sources": digest, "dir": str(out),
     }, indent=1))
     _state["module"] = module
-    if os.environ.get("ROPE_OPS_CUDA_PDL", "1") == "0":
-        set_launch(pdl=0)  # no programmatic dependent launch (see set_launch)
+    # Programmatic dependent launch needs kernels built for sm_90+ (below, the wait before the
+    # first load is compiled out: a PTX-JIT build for an older arch must not use it).
+    _state["pdl_default"] = int(os.environ.get("ROPE_OPS_CUDA_PDL", "1") != "0"
+                                and max(int(re.match(r"\d+", a).group()) for a in archs) >= 90)
+    set_launch()
     _state["eager"] = module.rope
     _state["op"] = op
     return []
@@ -280,16 +285,17 @@ def set_config(variant: int = -1, max_heads_per_thread: int = -1, min_threads_pe
 
 
 def set_launch(block_threads: int = -1, rows_on_the_fly: int = -1, pdl: int = -1) -> None:
-    """Launch knobs for every call (benchmarks); -1 restores a knob's default.
+    """Launch knobs for every call (benchmarks): every call sets all three, -1 restoring a knob's
+    default.
 
     block_threads: threads per block (32..256; default per call class). rows_on_the_fly: 1 computes
     every cos/sin row from the fixed-point frequencies instead of reading the table (tables built
     by rope_ops only; default per call class). pdl: 0 turns programmatic dependent launch off
-    (on by default on sm_90+; also ROPE_OPS_CUDA_PDL=0): with it a kernel is scheduled while the
+    (on by default when built for sm_90+; also ROPE_OPS_CUDA_PDL=0): with it a kernel is scheduled while the
     previous kernel in the stream drains and waits for it before touching memory.
     """
-    if pdl == -1 and os.environ.get("ROPE_OPS_CUDA_PDL", "1") == "0":
-        pdl = 0  # the process default chosen by the environment
+    if pdl == -1:
+        pdl = _state.get("pdl_default", 1)  # from ROPE_OPS_CUDA_PDL and the build architectures
     torch.ops.rope_ops_cuda.set_launch(block_threads, rows_on_the_fly, pdl)
 
 
