@@ -31,7 +31,7 @@ pytest.importorskip("triton")
 
 from rope_ops._reference import rope_reference  # noqa: E402
 from rope_ops.backend import KernelArgs  # noqa: E402
-from rope_ops.frequencies import freq_turns_of  # noqa: E402
+from rope_ops.frequencies import compute_inv_freq, cos_sin_table, freq_turns_of  # noqa: E402
 
 import rope_ops_backends.triton_backend as tb  # noqa: E402
 
@@ -49,14 +49,12 @@ HEAD_AXIS = {"bshd": 2, "sbhd": 2, "bhsd": 1, "thd": 1}
 
 
 def inv_freq_of(rotary_dim: int, base: float) -> torch.Tensor:
-    return base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    return compute_inv_freq(rotary_dim, base)[0]
 
 
 def tables(inv_freq: torch.Tensor, n_rows: int, m: float, device):
-    theta = torch.arange(n_rows, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    cos = (m * torch.cos(theta)).to(torch.float32).to(device).contiguous()
-    sin = (m * torch.sin(theta)).to(torch.float32).to(device).contiguous()
-    return cos, sin
+    cos, sin = cos_sin_table(inv_freq, m, n_rows)
+    return cos.to(device), sin.to(device)
 
 
 # ---------------------------------------------------------------------------------------------

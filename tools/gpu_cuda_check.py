@@ -47,7 +47,7 @@ def _import_backend():
 from rope_ops import bench  # noqa: E402
 from rope_ops._reference import rope_reference  # noqa: E402
 from rope_ops.backend import KernelArgs  # noqa: E402
-from rope_ops.frequencies import freq_turns_of  # noqa: E402
+from rope_ops.frequencies import compute_inv_freq, cos_sin_table, freq_turns_of  # noqa: E402
 
 DEV = "cuda"
 HEAD_AXIS = {"bshd": 2, "sbhd": 2, "bhsd": 1, "thd": 1}
@@ -57,17 +57,11 @@ HEAD_AXIS = {"bshd": 2, "sbhd": 2, "bhsd": 1, "thd": 1}
 # tables
 
 
-def inv_freq_of(rotary_dim: int, base: float) -> torch.Tensor:
-    i = torch.arange(rotary_dim // 2, dtype=torch.float64)
-    return base ** (-2.0 * i / rotary_dim)
-
-
 def tables(rotary_dim: int, base: float, rows: int, m: float = 1.0):
-    inv = inv_freq_of(rotary_dim, base)
-    ang = torch.arange(rows, dtype=torch.float64).unsqueeze(1) * inv
-    cos = (m * torch.cos(ang)).to(torch.float32).to(DEV).contiguous()
-    sin = (m * torch.sin(ang)).to(torch.float32).to(DEV).contiguous()
-    return inv, cos, sin, freq_turns_of(inv).to(DEV)
+    """inv_freq (float64), the float32 cos/sin tables and freq_turns, as rope_ops builds them."""
+    inv = compute_inv_freq(rotary_dim, base)[0]
+    cos, sin = cos_sin_table(inv, m, rows)
+    return inv, cos.to(DEV), sin.to(DEV), freq_turns_of(inv).to(DEV)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from rope_ops import bench  # noqa: E402
 from rope_ops.backend import KernelArgs  # noqa: E402
-from rope_ops.frequencies import freq_turns_of  # noqa: E402
+from rope_ops.frequencies import compute_inv_freq, cos_sin_table, freq_turns_of  # noqa: E402
 
 try:
     import rope_ops_backends.triton_backend as tb  # noqa: E402
@@ -62,12 +62,12 @@ def log(*a):
 
 
 def inv_freq_of(rotary_dim, base):
-    return base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    return compute_inv_freq(rotary_dim, base)[0]
 
 
 def tables(inv_freq, n_rows, device, m=1.0):
-    theta = torch.arange(n_rows, dtype=torch.float64, device=device)[:, None] * inv_freq.to(device)
-    return ((m * torch.cos(theta)).float().contiguous(), (m * torch.sin(theta)).float().contiguous())
+    cos, sin = cos_sin_table(inv_freq, m, n_rows)
+    return cos.to(device), sin.to(device)
 
 
 # ---------------------------------------------------------------------------------------------
