@@ -231,15 +231,7 @@ def same_bytes_copy_us(w: Work, rotary_only=False):
 
 
 def host_us(fn, n=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    el = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return el / n * 1e6
+    return bench.host_time_per_call([fn], torch.device("cuda"), iterations=n) * 1e6
 
 
 # Peers -----------------------------------------------------------------------------------------

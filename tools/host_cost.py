@@ -12,29 +12,19 @@ autograd.Function whose forward and backward only allocate. Wall time per call o
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import rope_ops
 from rope_ops import registry
+from rope_ops.bench import host_time_per_call
 from rope_ops.backend import KernelArgs
 
 
-def per_call(fn, device, n=None) -> float:
-    n = n or (2000 if device.type == "cuda" else 50)
-    for _ in range(50):
-        fn()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    best = float("inf")
-    for _ in range(3):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best * 1e6
+def per_call(fn, device) -> float:
+    """Microseconds per call: best of three plain loops (rope_ops.bench's host timer)."""
+    n = 2000 if device.type == "cuda" else 50
+    return host_time_per_call([fn], device, iterations=n) * 1e6
 
 
 def main() -> None:
