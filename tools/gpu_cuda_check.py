@@ -425,6 +425,7 @@ def alloc_outputs(rn: Runner):
                 problems.append(f"{name}: k_out returned without k")
             if kk is not None and (made[1] is None or not torch.equal(made[1], ko)):
                 problems.append(f"{name}: allocated k_out differs")
+            problems += output_layout_problems(name, made, qo, ko)
             # the bound launcher of rope_ops.apply's plans, with device and host positions
             bind = getattr(rn.backend, "bind_forward", None)
             bound = bind(cos, sin, ft, 1.0, "bshd", 128, False) if bind else None
@@ -434,10 +435,50 @@ def alloc_outputs(rn: Runner):
                 if not torch.equal(got[0], qo) or (kk is None) != (got[1] is None) or (
                         kk is not None and not torch.equal(got[1], ko)):
                     problems.append(f"{name}: BoundForward differs (pos on {p_.device})")
+        # packed QKV views (non-dense inputs: dense outputs in the same dimension order), and a
+        # call too large for one shared allocation
+        for label, (B, S, H) in (("packed", (2, 37, 10)), ("large", (2, 4096, 40))):
+            qkv = torch.randn(B, S, H, 128, generator=gen).to(torch.bfloat16).to(DEV)
+            q_, k_ = qkv[:, :, :H - 4], qkv[:, :, H - 4:H - 2]
+            pos_ = torch.randint(0, 256, (B, S), generator=gen).to(DEV)
+            mk = lambda qo, ko: KernelArgs(  # noqa: E731
+                q=q_, k=k_, q_out=qo, k_out=ko, pos=pos_, pos_offset=0, cos=cos, sin=sin,
+                freq_turns=ft, attention_factor=1.0, layout="bshd", rotary_dim=128,
+                interleaved=False, inverse=False, inplace=False)
+            qo, ko = torch.empty_like(q_), torch.empty_like(k_)
+            rn.backend.run(mk(qo, ko))
+            made = rn.backend.run(mk(None, None))
+            torch.cuda.synchronize()
+            if not (torch.equal(made[0], qo) and torch.equal(made[1], ko)):
+                problems.append(f"{name}: {label}: allocated outputs differ")
+            problems += output_layout_problems(f"{name}: {label}", made, qo, ko)
+            shared = made[0].untyped_storage().data_ptr() == made[1].untyped_storage().data_ptr()
+            if label == "large" and shared:
+                problems.append(f"{name}: large call's outputs share one allocation")
         return problems
 
     if rn.case(name, go):
         rn.ok(name)
+
+
+def output_layout_problems(name, made, qo, ko):
+    """Outputs the backend allocated must look like empty_like's (same strides, 16-byte aligned)
+    and, when they share one allocation (small calls), not overlap."""
+    problems = []
+    for label, got, like in (("q_out", made[0], qo), ("k_out", made[1], ko)):
+        if got is None or like is None:
+            continue
+        if got.stride() != like.stride() or got.dtype != like.dtype or got.device != like.device:
+            problems.append(f"{name}: {label} strides/dtype/device {got.stride()} {got.dtype} "
+                            f"{got.device}, empty_like gives {like.stride()}")
+        if got.data_ptr() % 16:
+            problems.append(f"{name}: {label} not 16-byte aligned")
+    if made[1] is not None and made[0].numel() and made[1].numel():
+        a0, a1 = made[0].data_ptr(), made[0].data_ptr() + made[0].numel() * made[0].element_size()
+        b0, b1 = made[1].data_ptr(), made[1].data_ptr() + made[1].numel() * made[1].element_size()
+        if a0 < b1 and b0 < a1:
+            problems.append(f"{name}: q_out and k_out overlap")
+    return problems
 
 
 def pdl_chain(rn: Runner):
