@@ -11,9 +11,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#include <mutex>
-#include <vector>
-
 // Every per-thread function is __host__ __device__: the kernels are thin loops around them, and
 // `-DROPE_HOST_EMULATION` adds rope_host_emulate(), which runs the very same per-thread code on
 // the CPU over host pointers (tests/test_cuda_host_emulation.py uses it where no GPU exists).
@@ -34,13 +31,8 @@ constexpr int kMaxThreads = 256;  // most threads per block (launch bounds of bo
 //   rows_on_the_fly: 1 = compute every cos/sin row from freq_turns instead of reading the table
 //            (when freq_turns is given): removes the dependent position -> table load from the
 //            latency path of decode-sized calls, at ~8 sincospif per thread.
-//   blocks_per_sm: 0 = one thread per work item (the grid covers the call); k > 0 = a persistent
-//            grid of at most k resident blocks per SM (capped by the kernel's occupancy) whose
-//            threads loop over work items, sized so every thread does the same number of items
-//            (+-1): no partly filled last wave of blocks draining at low bandwidth.
 struct TuneConfig {
-  int variant, max_heads_per_thread, min_threads_per_sm, block_threads, rows_on_the_fly,
-      blocks_per_sm;
+  int variant, max_heads_per_thread, min_threads_per_sm, block_threads, rows_on_the_fly;
 };
 // Index: many * 8 + small * 4 + inplace * 2 + neox. many = at least 64 heads per token (q + k);
 // small = decode-sized (fewer than 2048 threads per SM at one head per thread); inplace = rotary
@@ -58,22 +50,22 @@ struct TuneConfig {
 // - large out gptj: W3 out of place 67.6 us with blocks of 128 against 68.3 with 256.
 // Rows no workload measured copy their nearest measured neighbour.
 TuneConfig kDefaultConfig[16] = {
-    /* large out gptj */ {5, 8, 4096, 128, 0, 0},
-    /* large out neox */ {4, 4, 2048, 256, 0, 0},
-    /* large in  gptj */ {4, 4, 2048, 128, 0, 0},
-    /* large in  neox */ {4, 4, 2048, 128, 0, 0},
-    /* small out gptj */ {4, 2, 128, 256, 0, 0},
-    /* small out neox */ {4, 2, 128, 256, 0, 0},
-    /* small in  gptj */ {4, 2, 128, 256, 0, 0},
-    /* small in  neox */ {4, 2, 128, 256, 0, 0},
-    /* many large out gptj */ {5, 8, 4096, 128, 0, 0},
-    /* many large out neox */ {4, 6, 2048, 128, 0, 0},
-    /* many large in  gptj */ {4, 4, 2048, 128, 0, 0},
-    /* many large in  neox */ {4, 4, 2048, 128, 0, 0},
-    /* many small out gptj */ {4, 2, 128, 256, 0, 0},
-    /* many small out neox */ {4, 2, 128, 256, 0, 0},
-    /* many small in  gptj */ {4, 2, 128, 256, 0, 0},
-    /* many small in  neox */ {4, 2, 128, 256, 0, 0},
+    /* large out gptj */ {5, 8, 4096, 128, 0},
+    /* large out neox */ {4, 4, 2048, 256, 0},
+    /* large in  gptj */ {4, 4, 2048, 128, 0},
+    /* large in  neox */ {4, 4, 2048, 128, 0},
+    /* small out gptj */ {4, 2, 128, 256, 0},
+    /* small out neox */ {4, 2, 128, 256, 0},
+    /* small in  gptj */ {4, 2, 128, 256, 0},
+    /* small in  neox */ {4, 2, 128, 256, 0},
+    /* many large out gptj */ {5, 8, 4096, 128, 0},
+    /* many large out neox */ {4, 6, 2048, 128, 0},
+    /* many large in  gptj */ {4, 4, 2048, 128, 0},
+    /* many large in  neox */ {4, 4, 2048, 128, 0},
+    /* many small out gptj */ {4, 2, 128, 256, 0},
+    /* many small out neox */ {4, 2, 128, 256, 0},
+    /* many small in  gptj */ {4, 2, 128, 256, 0},
+    /* many small in  neox */ {4, 2, 128, 256, 0},
 };
 // Programmatic dependent launch (sm_90+): launch with programmatic stream serialization, so the
 // grid is scheduled while the previous kernel drains; every kernel waits (griddepcontrol.wait)
@@ -85,7 +77,6 @@ int g_max_heads_per_thread = -1;
 int g_min_threads_per_sm = -1;
 int g_block_threads = -1;
 int g_rows_on_the_fly = -1;
-int g_blocks_per_sm = -1;
 int g_last_variant = -2;  // variant of the last fast-path launch (-1: one head per thread)
 
 TuneConfig effective_config(bool many, bool small, bool inplace, bool neox) {
@@ -96,7 +87,6 @@ TuneConfig effective_config(bool many, bool small, bool inplace, bool neox) {
   if (g_min_threads_per_sm >= 1) c.min_threads_per_sm = g_min_threads_per_sm;
   if (g_block_threads >= 1) c.block_threads = g_block_threads;
   if (g_rows_on_the_fly >= 0) c.rows_on_the_fly = g_rows_on_the_fly;
-  if (g_blocks_per_sm >= 0) c.blocks_per_sm = g_blocks_per_sm;
   return c;
 }
 
@@ -536,81 +526,12 @@ constexpr VariantDesc kVariants[kNumVariants] = {
     {SCHED_ROUNDS, 4, HINT_PLAIN, "rounds4/plain"},
 };
 
-// LOOP: a persistent grid, each thread grid-strides over several work items. A separate
-// instantiation because the loop costs registers (bf16 neox pipe2: 79 -> 92, one block per SM
-// fewer) that one-item grids should not pay.
-template <typename T, bool NEOX, int SCHED, int ST, int HINT, bool LOOP>
+template <typename T, bool NEOX, int SCHED, int ST, int HINT>
 __global__ void __launch_bounds__(kMaxThreads)
     rope_fast_kernel(const __grid_constant__ RopeParams p, const int CR, const int CT, const int HL,
                      const long long total, const int on_the_fly) {
-  const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if constexpr (LOOP) {
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long gid = first; gid < total; gid += stride)
-      fast_thread<T, NEOX, SCHED, ST, HINT>(p, CR, CT, HL, gid, total, on_the_fly != 0);
-  } else if (first < total) {
-    fast_thread<T, NEOX, SCHED, ST, HINT>(p, CR, CT, HL, first, total, on_the_fly != 0);
-  }
-}
-
-using FastKernel = void (*)(const RopeParams, const int, const int, const int, const long long,
-                           const int);
-
-// The fast-path kernel of a variant (-1: one head per thread, the ROUNDS/1 kernel); persistent
-// (LOOP) kernels exist for one head per thread and the pipelined stage-2 variants (1, 3, 4), the
-// only ones the tuned classes use: asked for another variant, `loop` is set to false.
-template <typename T, bool NEOX>
-FastKernel fast_kernel(int variant, bool& loop) {
-  if (loop) {
-    switch (variant) {
-      case 1: return rope_fast_kernel<T, NEOX, SCHED_PIPE, 2, HINT_CS, true>;
-      case 3: return rope_fast_kernel<T, NEOX, SCHED_PIPE, 2, HINT_PLAIN, true>;
-      case 4: return rope_fast_kernel<T, NEOX, SCHED_PIPE, 2, HINT_CS_ST, true>;
-      case -1: return rope_fast_kernel<T, NEOX, SCHED_ROUNDS, 1, HINT_CS, true>;
-      default: loop = false;
-    }
-  }
-  switch (variant) {
-#define ROPE_KERNEL_CASE(I) \
-  case I:                   \
-    return rope_fast_kernel<T, NEOX, kVariants[I].sched, kVariants[I].stage, kVariants[I].hint, false>;
-    ROPE_KERNEL_CASE(0)
-    ROPE_KERNEL_CASE(1)
-    ROPE_KERNEL_CASE(2)
-    ROPE_KERNEL_CASE(3)
-    ROPE_KERNEL_CASE(4)
-    ROPE_KERNEL_CASE(5)
-#undef ROPE_KERNEL_CASE
-    default:
-      return rope_fast_kernel<T, NEOX, SCHED_ROUNDS, 1, HINT_CS, false>;
-  }
-}
-
-// min(cap, how many blocks of `threads` threads of `kernel` fit on one SM), the occupancy query
-// cached per (kernel, block size) of the current device (persistent grids only).
-int resident_blocks(FastKernel kernel, int threads, int cap) {
-  struct Entry {
-    const void* kernel;
-    int device, threads, blocks;
-  };
-  static std::mutex lock;
-  static std::vector<Entry> cache;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return cap;
-  int blocks = 0;
-  {
-    std::lock_guard<std::mutex> guard(lock);
-    for (const Entry& e : cache)
-      if (e.kernel == (const void*)kernel && e.device == device && e.threads == threads) blocks = e.blocks;
-  }
-  if (blocks == 0) {
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0) != cudaSuccess ||
-        blocks < 1)
-      blocks = 1;
-    std::lock_guard<std::mutex> guard(lock);
-    cache.push_back({(const void*)kernel, device, threads, blocks});
-  }
-  return blocks < cap ? blocks : cap;
+  const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (gid < total) fast_thread<T, NEOX, SCHED, ST, HINT>(p, CR, CT, HL, gid, total, on_the_fly != 0);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -783,49 +704,49 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
     // One head per thread: the ROUNDS/1 kernel (fewest registers); else the configured variant.
     const int v = hl >= Ht ? -1 : cfg.variant;
     g_last_variant = v;
-    bool loop = cfg.blocks_per_sm > 0;
-    const FastKernel kernel = fast_kernel<T, NEOX>(v, loop);
-    // Persistent grid: at most blocks_per_sm resident blocks per SM (capped by occupancy), and
-    // the fewest items per thread that fit, spread evenly: blocks = ceil(blocks / items).
-    int64_t grid = blocks;
-    if (loop) {
-      const int per_sm = emulate ? cfg.blocks_per_sm : resident_blocks(kernel, threads, cfg.blocks_per_sm);
-      const int64_t resident = (int64_t)sms * per_sm;
-      if (resident > 0 && blocks > resident) {
-        const int64_t items = (blocks + resident - 1) / resident;
-        grid = (blocks + items - 1) / items;
-      }
-    }
 #ifdef ROPE_HOST_EMULATION
-    if (emulate) {  // every thread of the grid in order, each over its items as the kernel does
-      const long long stride = (long long)grid * threads;
-      for (long long t = 0; t < stride; ++t) {
-        for (long long g = t; g < total; g += stride) {
-          switch (v) {
+    if (emulate) {
+      for (long long g = 0; g < total; ++g) {
+        switch (v) {
 #define ROPE_EMU_CASE(I)                                                                        \
   case I:                                                                                      \
     fast_thread<T, NEOX, kVariants[I].sched, kVariants[I].stage, kVariants[I].hint>(          \
         p, (int)CR, (int)CT, (int)hl, g, (long long)total, fly != 0);                          \
     break;
-            ROPE_EMU_CASE(0)
-            ROPE_EMU_CASE(1)
-            ROPE_EMU_CASE(2)
-            ROPE_EMU_CASE(3)
-            ROPE_EMU_CASE(4)
-            ROPE_EMU_CASE(5)
+          ROPE_EMU_CASE(0)
+          ROPE_EMU_CASE(1)
+          ROPE_EMU_CASE(2)
+          ROPE_EMU_CASE(3)
+          ROPE_EMU_CASE(4)
+          ROPE_EMU_CASE(5)
 #undef ROPE_EMU_CASE
-            default:
-              fast_thread<T, NEOX, SCHED_ROUNDS, 1, HINT_CS>(p, (int)CR, (int)CT, (int)hl, g,
-                                                             (long long)total, fly != 0);
-          }
+          default:
+            fast_thread<T, NEOX, SCHED_ROUNDS, 1, HINT_CS>(p, (int)CR, (int)CT, (int)hl, g,
+                                                           (long long)total, fly != 0);
         }
       }
       return cudaSuccess;
     }
 #endif
     (void)emulate;
-    err = launch_kernel(kernel, grid, threads, pdl, stream, p, (int)CR, (int)CT, (int)hl,
-                        (long long)total, fly);
+    switch (v) {
+#define ROPE_LAUNCH_CASE(I)                                                                      \
+  case I:                                                                                       \
+    err = launch_kernel(                                                                        \
+        rope_fast_kernel<T, NEOX, kVariants[I].sched, kVariants[I].stage, kVariants[I].hint>,   \
+        blocks, threads, pdl, stream, p, (int)CR, (int)CT, (int)hl, (long long)total, fly);     \
+    break;
+      ROPE_LAUNCH_CASE(0)
+      ROPE_LAUNCH_CASE(1)
+      ROPE_LAUNCH_CASE(2)
+      ROPE_LAUNCH_CASE(3)
+      ROPE_LAUNCH_CASE(4)
+      ROPE_LAUNCH_CASE(5)
+#undef ROPE_LAUNCH_CASE
+      default:
+        err = launch_kernel(rope_fast_kernel<T, NEOX, SCHED_ROUNDS, 1, HINT_CS>, blocks, threads,
+                            pdl, stream, p, (int)CR, (int)CT, (int)hl, (long long)total, fly);
+    }
   } else {
     const int64_t per_head = p.R / 2 + ((p.copy_passthrough && p.D > p.R) ? p.D - p.R : 0);
     const int64_t total = tokens * Ht * per_head;
@@ -903,10 +824,6 @@ extern "C" void rope_set_launch(int block_threads, int rows_on_the_fly, int pdl)
   rope_ops_cuda::g_block_threads = block_threads >= 1 ? block_threads : -1;
   rope_ops_cuda::g_rows_on_the_fly = rows_on_the_fly >= 0 ? (rows_on_the_fly != 0) : -1;
   rope_ops_cuda::g_pdl = pdl >= 0 ? (pdl != 0) : 1;
-}
-
-extern "C" void rope_set_grid(int blocks_per_sm) {
-  rope_ops_cuda::g_blocks_per_sm = blocks_per_sm >= 0 ? blocks_per_sm : -1;
 }
 
 extern "C" int rope_num_variants(void) { return rope_ops_cuda::kNumVariants; }

@@ -83,10 +83,6 @@ void rope_set_config(int variant, int max_heads_per_thread, int min_threads_per_
 // from freq_turns instead of reading the table; default per call class), pdl (programmatic
 // dependent launch on sm_90+; default 1).
 void rope_set_launch(int block_threads, int rows_on_the_fly, int pdl);
-// Persistent grid for every call (benchmarks, tests): blocks_per_sm = 0 gives one thread per work
-// item; k > 0 caps the grid at k resident blocks per SM (and the kernel's occupancy), each thread
-// looping over an even share of the items; negative restores the per-class default.
-void rope_set_grid(int blocks_per_sm);
 int rope_num_variants(void);
 const char* rope_variant_name(int variant);
 int rope_last_variant(void);

@@ -119,8 +119,6 @@ def lib(tmp_path_factory):
     so.rope_set_config.restype = None
     so.rope_set_launch.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
     so.rope_set_launch.restype = None
-    so.rope_set_grid.argtypes = [ctypes.c_int]
-    so.rope_set_grid.restype = None
     so.rope_num_variants.restype = ctypes.c_int
     so.rope_last_variant.restype = ctypes.c_int
     so.rope_variant_name.argtypes = [ctypes.c_int]
@@ -138,9 +136,8 @@ def check_tool():
 
 
 class EmulatedBackend:
-    def __init__(self, so, num_sms=132):  # an H200's SM count
+    def __init__(self, so):
         self.so = so
-        self.num_sms = num_sms
 
     def run(self, a):
         made = None
@@ -152,22 +149,19 @@ class EmulatedBackend:
                    cos=a.cos, sin=a.sin, pos=a.pos, pos_offset=a.pos_offset,
                    freq_turns=a.freq_turns, attention_factor=a.attention_factor,
                    inverse=a.inverse)
-        rc = self.so.rope_host_emulate(ctypes.byref(p), self.num_sms)
+        rc = self.so.rope_host_emulate(ctypes.byref(p), 132)  # an H200's SM count
         if rc != 0:
             raise RuntimeError(f"rope_host_emulate returned {rc}")
         return made
 
 
-@pytest.mark.parametrize("rows_on_the_fly, persistent", [(-1, False), (1, False), (-1, True)],
-                         ids=["defaults", "rows_on_the_fly", "persistent_grid"])
-def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_the_fly, persistent):
+@pytest.mark.parametrize("rows_on_the_fly", [-1, 1], ids=["defaults", "rows_on_the_fly"])
+def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_the_fly):
     """The accuracy cases of tools/gpu_cuda_check.py; the second run computes every cos/sin row
-    from freq_turns (caller tables still read their table); the third runs persistent grids (one
-    block per SM of a 2-SM device: threads loop over several work items). The emulation runs
-    each thread of the grid in turn, over its items as the kernel does."""
+    from freq_turns (caller tables still read their table). (The block size only shapes the grid,
+    which the emulation does not have: it runs every thread id in turn.)"""
     g = check_tool
     lib.rope_set_launch(-1, rows_on_the_fly, -1)
-    lib.rope_set_grid(1 if persistent else -1)
     monkeypatch.setattr(g, "DEV", "cpu")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(g, "large_tensor", lambda rn: None)
@@ -189,15 +183,11 @@ def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_t
             lib.rope_set_config(variant, max_heads, min_threads)
 
         @staticmethod
-        def set_grid(blocks_per_sm):
-            lib.rope_set_grid(blocks_per_sm)
-
-        @staticmethod
         def num_variants():
             return lib.rope_num_variants()
 
     used = set()
-    backend = EmulatedBackend(lib, num_sms=2 if persistent else 132)
+    backend = EmulatedBackend(lib)
     plain_run = backend.run
 
     def run_recording(a):
@@ -212,45 +202,12 @@ def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_t
     finally:
         lib.rope_set_config(-1, -1, -1)
         lib.rope_set_launch(-1, -1, -1)
-        lib.rope_set_grid(-1)
     assert rn.count > 250
     assert not rn.failures, "\n".join(rn.failures[:20])
     paths = list(rn.paths.values())
     assert paths.count(1) > 150 and paths.count(2) > 50, (paths.count(1), paths.count(2))
     # every fast-kernel variant (and the one-head-per-thread kernel, -1) ran
     assert used >= set(range(-1, lib.rope_num_variants())), sorted(used)
-
-
-@pytest.mark.parametrize("style", ["neox", "gptj"])
-def test_persistent_grid_matches_one_item_per_thread(lib, style):
-    """A persistent grid (threads looping over several items, an uneven share each) writes the
-    same bits as a grid of one item per thread, for every variant and one head per thread."""
-    gen = torch.Generator().manual_seed(7)
-    q = torch.randn(3, 37, 10, 128, generator=gen).to(torch.bfloat16)
-    k = torch.randn(3, 37, 3, 128, generator=gen).to(torch.bfloat16)
-    cos, sin = torch.randn(64, 48, generator=gen), torch.randn(64, 48, generator=gen)
-    pos = torch.randint(0, 64, (3, 37), generator=gen)
-
-    def run(blocks_per_sm):
-        outs = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
-        p = params(q=q, k=k, q_out=outs[0], k_out=outs[1], layout="bshd", rotary_dim=96,
-                   interleaved=style == "gptj", inplace=False, cos=cos, sin=sin, pos=pos)
-        lib.rope_set_grid(blocks_per_sm)
-        assert lib.rope_host_emulate(ctypes.byref(p), 3) == 0
-        return outs
-
-    try:
-        for variant, max_heads in [(-1, 1)] + [(v, 3) for v in range(lib.rope_num_variants())]:
-            lib.rope_set_config(max(variant, 0), max_heads, 1)
-            want = run(0)
-            assert not any(t.isnan().any() for t in want)
-            for blocks_per_sm in (1, 2):
-                got = run(blocks_per_sm)
-                for g, w in zip(got, want):
-                    assert torch.equal(g.view(torch.int16), w.view(torch.int16)), (variant, blocks_per_sm)
-    finally:
-        lib.rope_set_config(-1, -1, -1)
-        lib.rope_set_grid(-1)
 
 
 def test_variant_selection(lib):

@@ -364,24 +364,6 @@ def accuracy(rn: Runner):
                                  expect_path=1, seed=7)
         finally:
             rn.cb.set_launch(-1, -1, -1)
-    # Persistent grids (one block per SM, threads looping over several items, an uneven share
-    # each) for one head per thread and the pipelined variants that have a looping kernel.
-    if hasattr(rn.cb, "set_grid"):
-        try:
-            for variant, max_heads in ((0, 1), (1, 3), (3, 3), (4, 6)):
-                rn.cb.set_config(variant, max_heads, 1)
-                rn.cb.set_grid(1)
-                print(f"  -- persistent grid (1 block/SM), variant {variant}, max_heads_per_thread={max_heads}")
-                for dtype in dtypes:
-                    for style in ("neox", "gptj"):
-                        run_case(rn, dtype=dtype, style=style, layout="bshd", D=128, r=128, Hq=8,
-                                 Hk=2, B=3, S=700, inplace=False, inverse=False, rows=131072,
-                                 base=500000.0, expect_path=1, seed=8)
-                        run_case(rn, dtype=dtype, style=style, layout="thd", D=256, r=64, Hq=5,
-                                 Hk=3, S=1500, inplace=True, inverse=True, expect_path=1, seed=9)
-        finally:
-            rn.cb.set_config(-1, -1, -1)
-            rn.cb.set_grid(-1)
     alloc_outputs(rn)
     garbage_positions(rn)
     zero_tokens(rn)
@@ -719,8 +701,7 @@ def build_sets(w, cos, sin, ft, nsets, gen):
     return sets
 
 
-def perf(rn: Runner, sweep: bool, strict: bool, only: str | None = None, wide: bool = False,
-         grid: bool = False):
+def perf(rn: Runner, sweep: bool, strict: bool, only: str | None = None, wide: bool = False):
     print("\n== timing (CUDA graphs, rotating input sets, bf16, table of 131072 rows)")
     cb = rn.cb
     bw = copy_bandwidth()
@@ -783,13 +764,6 @@ def perf(rn: Runner, sweep: bool, strict: bool, only: str | None = None, wide: b
                     print(f"  FAIL {msg}")
             del sets, calls
             torch.cuda.empty_cache()
-            if grid and "small" not in class_key(w):
-                verify = make_verify(sets, run, w["inplace"])
-                wrong = grid_sweep(cb, calls, reps, t, verify, name)
-                if wrong:
-                    msg = f"{name}: persistent-grid configs whose outputs differ from the default's: {wrong}"
-                    rn.failures.append(msg)
-                    print(f"  FAIL {msg}")
             if best:
                 print(f"   {name} [{key}]: sweep best {best}", flush=True)
         except Exception as e:
@@ -960,42 +934,6 @@ def tuning_sweep(cb, calls, reps, baseline, verify, small, wide=False):
     return line, results[0], wrong
 
 
-def grid_sweep(cb, calls, reps, baseline, verify, name):
-    """--grid: persistent grids (rope_set_grid: at most k resident blocks per SM, threads looping
-    over an even share of the work) against the class default, over the pipelined variants
-    (1, 3, 4; one head per thread is mh 1), heads per thread and block size. Prints every
-    config's time, best first; returns the configs whose outputs differ from the default's."""
-    if not hasattr(cb, "set_grid"):
-        return []
-    wrong, results = [], []
-    cfgs = [(v, mh, bt, k) for v in (1, 3, 4) for mh in (1, 2, 4, 6, 8) for bt in (128, 256)
-            for k in (0, 2, 4, 8, 16)]
-    for v, mh, bt, k in cfgs:
-        if mh == 1 and v != 1:
-            continue  # one head per thread: the same kernel whatever the variant
-        cb.set_config(v, mh, 1)
-        cb.set_launch(bt, -1, -1)
-        cb.set_grid(k)
-        try:
-            if not verify(exact=True):
-                wrong.append((v, mh, bt, k))
-                continue
-            results.append((graph_time_us(calls, reps, trials=3), v, mh, bt, k))
-        finally:
-            cb.set_config(-1, -1, -1)
-            cb.set_launch(-1, -1, -1)
-            cb.set_grid(-1)
-    results.sort()
-    print(f"   {name}: persistent-grid sweep (default {baseline:.2f} us); (variant, heads/thread, "
-          f"block, blocks/SM; 0 = not persistent):")
-    print("      " + "; ".join(f"{r[1:]}={r[0]:.2f}" for r in results))
-    for k in (0, 2, 4, 8, 16):
-        got = [r for r in results if r[4] == k]
-        if got:
-            print(f"      best with blocks/SM {k}: {got[0][0]:.2f} us {got[0][1:]}")
-    return wrong
-
-
 def make_verify(sets, run, inplace):
     """A checker: rerun set 0's forward (restoring in-place inputs) and compare bitwise with the
     outputs of the class-default config, captured now."""
@@ -1084,8 +1022,6 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="time only workloads whose names start so (comma list: W1,W4)")
     ap.add_argument("--wide", action="store_true",
                     help="with --sweep: heads x threads x block size grid for the large classes")
-    ap.add_argument("--grid", action="store_true",
-                    help="time persistent grids (set_grid) against the defaults on the large workloads")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every passing case")
     a = ap.parse_args()
     t_start = time.time()
@@ -1112,7 +1048,7 @@ def main() -> int:
         print(f"kernel paths taken: fast {paths.count(1)}, generic {paths.count(2)}")
     perf_fail = []
     if not a.no_perf:
-        perf_fail = perf(rn, a.sweep, a.strict_perf, a.only, a.wide, a.grid)
+        perf_fail = perf(rn, a.sweep, a.strict_perf, a.only, a.wide)
     print(f"\ntotal {time.time() - t_start:.0f} s")
     if rn.failures or perf_fail:
         print(f"FAILED: {len(rn.failures)} accuracy problems, {len(perf_fail)} perf misses")

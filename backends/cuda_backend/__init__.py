@@ -299,13 +299,6 @@ def set_launch(block_threads: int = -1, rows_on_the_fly: int = -1, pdl: int = -1
     torch.ops.rope_ops_cuda.set_launch(block_threads, rows_on_the_fly, pdl)
 
 
-def set_grid(blocks_per_sm: int = -1) -> None:
-    """Persistent grids for every call (benchmarks): 0 = one thread per work item; k > 0 = at
-    most k resident blocks per SM (and the kernel's occupancy), threads looping over an even
-    share of the items; -1 restores the per-class default (kDefaultConfig)."""
-    torch.ops.rope_ops_cuda.set_grid(blocks_per_sm)
-
-
 def num_variants() -> int:
     return int(torch.ops.rope_ops_cuda.num_variants())
 
