@@ -303,24 +303,21 @@ py::object rope_eager(const at::Tensor& q, const std::optional<at::Tensor>& k,
   return py::make_tuple(qo, ko);
 }
 
-// rope_eager for repeated out-of-place forward calls of one kind (rope_ops.apply's cached plan):
-// the tables and constants are bound once, a call converts 4 arguments instead of 15.
-struct BoundForward {
+// rope_eager for repeated out-of-place calls of one kind (rope_ops.apply's cached plans: the
+// forward of inference calls, forward and backward (inverse) of autograd calls): the tables and
+// constants are bound once, a call converts 4 arguments instead of 15. rope_ops.apply keys its
+// plans by the positions' device, so pos is on q's device (rope_core checks it).
+struct BoundRope {
   at::Tensor cos, sin;
   std::optional<at::Tensor> freq_turns;
   double attention_factor;
   int64_t layout, rotary_dim;
-  bool interleaved;
+  bool interleaved, inverse;
 
   py::object operator()(const at::Tensor& q, const std::optional<at::Tensor>& k,
                         const std::optional<at::Tensor>& pos, int64_t pos_offset) const {
-    if (pos.has_value() && pos->defined() && !pos->is_cuda()) {  // positions handed over on the host
-      const at::Tensor moved = pos->to(q.device(), /*non_blocking=*/true);
-      return rope_eager(q, k, std::nullopt, std::nullopt, moved, pos_offset, cos, sin, freq_turns,
-                        attention_factor, layout, rotary_dim, interleaved, false, false);
-    }
     return rope_eager(q, k, std::nullopt, std::nullopt, pos, pos_offset, cos, sin, freq_turns,
-                      attention_factor, layout, rotary_dim, interleaved, false, false);
+                      attention_factor, layout, rotary_dim, interleaved, inverse, false);
   }
 };
 
@@ -400,14 +397,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rope(q, k, q_out, k_out, pos, pos_offset, cos, sin, freq_turns, attention_factor, "
         "layout, rotary_dim, interleaved, inverse, inplace) -> None | (q_out, k_out)");
   m.def("variant_name", [](int v) { return std::string(rope_variant_name(v)); });
-  py::class_<BoundForward>(m, "BoundForward")
+  py::class_<BoundRope>(m, "BoundRope")
       .def(py::init([](at::Tensor cos, at::Tensor sin, std::optional<at::Tensor> freq_turns,
                        double attention_factor, int64_t layout, int64_t rotary_dim,
-                       bool interleaved) {
-             return BoundForward{std::move(cos), std::move(sin), std::move(freq_turns),
-                                 attention_factor, layout, rotary_dim, interleaved};
+                       bool interleaved, bool inverse) {
+             return BoundRope{std::move(cos), std::move(sin), std::move(freq_turns),
+                              attention_factor, layout, rotary_dim, interleaved, inverse};
            }),
-           "BoundForward(cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved)")
-      .def("__call__", &BoundForward::operator(),
-           "(q, k, pos, pos_offset) -> (q_out, k_out): rope(...) out of place, forward");
+           "BoundRope(cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved, "
+           "inverse)")
+      .def("__call__", &BoundRope::operator(),
+           "(q, k, pos, pos_offset) -> (q_out, k_out): rope(...) out of place");
 }

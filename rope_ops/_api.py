@@ -12,7 +12,7 @@ import torch
 from . import _select
 from ._errors import RopeError
 from ._memory import check_inplace_memory
-from ._ops import RopeFunction, bind_forward, rope_call, run_backend
+from ._ops import BoundRopeFunction, RopeFunction, bind, rope_call, run_backend
 from .backend import LAYOUTS
 from .embedding import RotaryEmbedding, cached_rope, cached_rope_key, check_rotary_dim
 
@@ -51,8 +51,9 @@ def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | Non
         backend: force a backend (a name or a comma list); overrides ROPE_OPS_BACKEND.
     """
     if cos_sin is None and scaling is None and not inplace and not torch.compiler.is_compiling():
-        # Fast path for repeated calls (decode steps): everything _apply derives from metadata
-        # is cached under the metadata it read. Calls that need autograd take the full path.
+        # Fast path for repeated calls (decode steps, training steps): everything _apply derives
+        # from metadata is cached under the metadata it read; a plan is the backend's launcher
+        # bound to this call kind's constants (through autograd when a gradient is needed).
         key = _plan_key(q, k, pos, rotary_dim, style, layout, base, rope, backend, max_position, seq_len)
         try:
             plan = None if key is None else _select.plans.get(key)
@@ -75,8 +76,7 @@ def _plan_key(q, k, pos, rotary_dim, style, layout, base, rope, backend, max_pos
     """The metadata an inference call's validation and selection read, or None (no fast path)."""
     if type(q) is not torch.Tensor or (k is not None and type(k) is not torch.Tensor):
         return None
-    if q.requires_grad or (k is not None and k.requires_grad):
-        return None  # autograd: full path
+    needs_grad = (q.requires_grad or (k is not None and k.requires_grad)) and torch.is_grad_enabled()
     if rope is not None and type(rope) is not RotaryEmbedding:
         return None
     if type(pos) is int and -(2**62) < pos < 2**62:
@@ -87,7 +87,7 @@ def _plan_key(q, k, pos, rotary_dim, style, layout, base, rope, backend, max_pos
         return None
     k_key = None if k is None else (k.shape, k.stride(), k.dtype, k.device)
     return (q.shape, q.stride(), q.dtype, q.device, pos_key, k_key, rotary_dim, style, layout, base,
-            rope, max_position, seq_len, _select.current_request(backend))
+            rope, max_position, seq_len, _select.current_request(backend), needs_grad)
 
 
 def _plan(q, k, pos, rotary_dim, style, layout, base, rope, backend, max_position, seq_len):
@@ -188,10 +188,17 @@ def _apply(q, k, pos, rotary_dim, style, layout, base, scaling, rope, cos_sin, i
         selected = _select.select(call, backend)
         chosen = selected.name
         if select_only == "plan":
-            if needs_grad:
-                return None
-            return bind_forward(selected, cos, sin, freq_turns, attention_factor, layout,
-                                rotary_dim, interleaved)
+            forward = bind(selected, cos, sin, freq_turns, attention_factor, layout, rotary_dim,
+                           interleaved, False)
+            if not needs_grad:
+                return forward
+            bound = (forward, bind(selected, cos, sin, freq_turns, attention_factor, layout,
+                                   rotary_dim, interleaved, True))
+
+            def autograd_plan(q, k, pos_tensor, pos_offset):
+                return BoundRopeFunction.apply(q, k, pos_tensor, pos_offset, bound)
+
+            return autograd_plan
         if select_only:
             return chosen
         if not needs_grad or inverse:  # the hot inference path: straight to the backend

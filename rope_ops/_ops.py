@@ -62,20 +62,20 @@ def run_backend(backend_name, q, k, pos, pos_offset, cos, sin, freq_turns, atten
     return (q_out, k_out) if q_out is not None else made
 
 
-def bind_forward(backend, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved):
-    """``(q, k, pos, pos_offset) -> (q_out, k_out)`` for repeated eager out-of-place forward
-    calls: the backend's own bound launcher when it has one, else run_backend with these
-    constants."""
-    bound = backend.bind_forward(cos, sin, freq_turns, attention_factor, layout, rotary_dim,
-                                 interleaved)
+def bind(backend, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved, inverse):
+    """``(q, k, pos, pos_offset) -> (q_out, k_out)`` for repeated eager out-of-place calls of one
+    kind (``inverse``: the backward): the backend's own bound launcher when it has one, else
+    run_backend with these constants."""
+    bound = backend.bind(cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved,
+                         inverse)
     if bound is not None:
         return bound
 
-    def forward(q, k, pos, pos_offset):
+    def rotate(q, k, pos, pos_offset):
         return run_backend(backend, q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor,
-                           layout, rotary_dim, interleaved, False, False)
+                           layout, rotary_dim, interleaved, inverse, False)
 
-    return forward
+    return rotate
 
 
 @torch.library.impl(_LIB, "rope", "CompositeExplicitAutograd")
@@ -128,6 +128,13 @@ def rope_call(backend, q, k, pos, pos_offset, cos, sin, freq_turns, attention_fa
     return q_out, (None if k is None else k_out)
 
 
+def _last_dim_contiguous(grad):
+    """Output gradients as the backends take them (stride 1 on head_dim); None stays None."""
+    if grad is not None and grad.stride(-1) != 1:
+        return grad.contiguous()
+    return grad
+
+
 class RopeFunction(torch.autograd.Function):
     """Forward RotaryEmbedding; backward RotaryEmbeddingGrad (rotation by minus the angle)."""
 
@@ -147,11 +154,28 @@ class RopeFunction(torch.autograd.Function):
     def backward(ctx, grad_q, grad_k):
         pos, cos, sin, freq_turns = ctx.saved_tensors
         pos_offset, attention_factor, rope_key, layout, rotary_dim, interleaved, backend = ctx.params
-        if grad_q.stride(-1) != 1:
-            grad_q = grad_q.contiguous()
-        if grad_k is not None and grad_k.stride(-1) != 1:
-            grad_k = grad_k.contiguous()
         # Autograd materializes unused output gradients as zeros, so grad_q is never None.
-        gq, gk = rope_call(backend, grad_q, grad_k, pos, pos_offset, cos, sin, freq_turns,
-                           attention_factor, rope_key, layout, rotary_dim, interleaved, True, False)
+        gq, gk = rope_call(backend, _last_dim_contiguous(grad_q), _last_dim_contiguous(grad_k), pos,
+                           pos_offset, cos, sin, freq_turns, attention_factor, rope_key, layout,
+                           rotary_dim, interleaved, True, False)
         return gq, gk, None, None, None, None, None, None, None, None, None, None, None, None
+
+
+class BoundRopeFunction(torch.autograd.Function):
+    """RopeFunction for rope_ops.apply's cached autograd plans (eager, out of place): the forward
+    and backward launchers come bound to the call kind's tables and constants (``bind``), so a
+    training step passes 5 arguments through autograd instead of 14."""
+
+    @staticmethod
+    def forward(ctx, q, k, pos, pos_offset, bound):
+        q_out, k_out = bound[0](q, k, pos, pos_offset)
+        ctx.save_for_backward(pos)  # version-checked: positions changed in place raise in backward
+        ctx.pos_offset, ctx.rotate_back = pos_offset, bound[1]
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        (pos,) = ctx.saved_tensors
+        gq, gk = ctx.rotate_back(_last_dim_contiguous(grad_q), _last_dim_contiguous(grad_k), pos,
+                                 ctx.pos_offset)
+        return gq, gk, None, None, None

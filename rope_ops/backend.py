@@ -137,10 +137,11 @@ class Backend:
         or, when ``allocates_outputs`` and args.q_out is None, return new (q_out, k_out)."""
         raise NotImplementedError
 
-    def bind_forward(self, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved):
+    def bind(self, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved, inverse):
         """Optional: a callable ``(q, k, pos, pos_offset) -> (q_out, k_out)`` doing what run()
-        does for an eager out-of-place forward call with these constants, or None. rope_ops.apply
-        caches it per call kind, so a backend can skip per-call argument handling (decode)."""
+        does for an eager out-of-place call with these constants (``inverse``: the backward), or
+        None. rope_ops.apply caches it per call kind (inference calls, and both directions of
+        autograd calls), so a backend can skip per-call argument handling (decode, training)."""
         return None
 
     def describe(self) -> dict:

@@ -168,3 +168,41 @@ def test_fast_path_repeats_checks_that_depend_on_values():
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
     with pytest.raises(RopeError, match="pos"):
         rope_ops.apply(q, None, torch.arange(3.0))
+
+
+def test_autograd_calls_reuse_a_plan_and_follow_grad_mode():
+    """Autograd calls get their own cached plan (forward and backward bound once); gradients stay
+    those of the float64 reference, and the same shapes without a gradient (no_grad, or inputs
+    that do not require grad) take the inference plan and record nothing."""
+    from rope_ops import _select
+
+    _select.clear_cache()
+    rope = rope_ops.RotaryEmbedding(32, rotary_dim=24, base=10000.0, style="gptj")
+    gen = torch.Generator().manual_seed(3)
+    q0 = torch.randn(2, 5, 4, 32, generator=gen, dtype=torch.float64)
+    k0 = torch.randn(2, 5, 2, 32, generator=gen, dtype=torch.float64)
+    pos = torch.randint(0, 100, (2, 5), generator=gen)
+    gq, gk = torch.randn_like(q0), torch.randn_like(k0)
+    want_q = rope_reference(gq, pos, layout="bshd", rotary_dim=24, style="gptj", inv_freq=rope.inv_freq,
+                            inverse=True)
+    want_k = rope_reference(gk, pos, layout="bshd", rotary_dim=24, style="gptj", inv_freq=rope.inv_freq,
+                            inverse=True)
+    for step in range(3):  # the first call plans, the others reuse the plan
+        q, k = q0.clone().requires_grad_(), k0.clone().requires_grad_(step != 1)
+        qo, ko = rope_ops.apply(q, k, pos, rope=rope)
+        assert qo.grad_fn is not None and ko.grad_fn is not None
+        torch.autograd.backward((qo, ko), (gq, gk))
+        torch.testing.assert_close(q.grad, want_q, rtol=0, atol=1e-6)  # float32 tables
+        if step != 1:
+            torch.testing.assert_close(k.grad, want_k, rtol=0, atol=1e-6)
+        else:
+            assert k.grad is None
+    grad_keys = [key for key in _select.plans if key[0] == q0.shape and key[-1]]
+    assert len(grad_keys) == 1, grad_keys  # k requiring grad or not: the same autograd plan
+    with torch.no_grad():
+        qo, ko = rope_ops.apply(q, k, pos, rope=rope)
+    assert qo.grad_fn is None and not qo.requires_grad
+    qo2, _ = rope_ops.apply(q0, k0, pos, rope=rope)
+    assert qo2.grad_fn is None
+    torch.testing.assert_close(qo, qo2, rtol=0, atol=0)
+    assert any(key[0] == q0.shape and not key[-1] for key in _select.plans)

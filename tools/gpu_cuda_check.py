@@ -408,15 +408,18 @@ def alloc_outputs(rn: Runner):
             if kk is not None and (made[1] is None or not torch.equal(made[1], ko)):
                 problems.append(f"{name}: allocated k_out differs")
             problems += output_layout_problems(name, made, qo, ko)
-            # the bound launcher of rope_ops.apply's plans, with device and host positions
-            bind = getattr(rn.backend, "bind_forward", None)
-            bound = bind(cos, sin, ft, 1.0, "bshd", 128, False) if bind else None
-            for p_ in (pos, pos.cpu()) if bound is not None else ():
-                got = bound(q, kk, p_, 0)
+            # the bound launchers of rope_ops.apply's plans, forward and inverse (backward)
+            bind = getattr(rn.backend, "bind", None)
+            for inverse in (False, True) if bind is not None else ():
+                bound = bind(cos, sin, ft, 1.0, "bshd", 128, False, inverse)
+                want_q = torch.empty_like(q)
+                want_k = torch.empty_like(kk) if kk is not None else None
+                rn.backend.run(mk(want_q, want_k)._replace(inverse=inverse))
+                got = bound(q, kk, pos, 0)
                 torch.cuda.synchronize()
-                if not torch.equal(got[0], qo) or (kk is None) != (got[1] is None) or (
-                        kk is not None and not torch.equal(got[1], ko)):
-                    problems.append(f"{name}: BoundForward differs (pos on {p_.device})")
+                if not torch.equal(got[0], want_q) or (kk is None) != (got[1] is None) or (
+                        kk is not None and not torch.equal(got[1], want_k)):
+                    problems.append(f"{name}: BoundRope differs (inverse={inverse})")
         # packed QKV views (non-dense inputs: dense outputs in the same dimension order), and a
         # call too large for one shared allocation
         for label, (B, S, H) in (("packed", (2, 37, 10)), ("large", (2, 4096, 40))):
@@ -976,7 +979,7 @@ def host_time(rn: Runner):
     op = torch.ops.rope_ops_cuda.rope.default
     eager = rn.cb._state["eager"]
     alloc_args = args._replace(q_out=None, k_out=None)
-    bound = rn.backend.bind_forward(cos, sin, ft, 1.0, "thd", 128, False)
+    bound = rn.backend.bind(cos, sin, ft, 1.0, "thd", 128, False, False)
     qo, ko = args.q_out, args.k_out
 
     def timed(fn, n=3000):
@@ -987,7 +990,7 @@ def host_time(rn: Runner):
             q, k, qo, ko, pos, 0, cos, sin, ft, 1.0, 3, 128, False, False, False)),
         "pybind entry (allocates outputs)": timed(lambda: eager(
             q, k, None, None, pos, 0, cos, sin, ft, 1.0, 3, 128, False, False, False)),
-        "BoundForward (apply's cached plan)": timed(lambda: bound(q, k, pos, 0)),
+        "BoundRope (apply's cached plan)": timed(lambda: bound(q, k, pos, 0)),
         "torch.empty_like(q), torch.empty_like(k)": timed(
             lambda: (torch.empty_like(q), torch.empty_like(k))),
         "raw torch.ops.rope_ops_cuda.rope": timed(lambda: op(

@@ -264,13 +264,13 @@ class CudaBackend(Backend):
                      args.rotary_dim, args.interleaved, args.inverse, args.inplace)
         return (q_out, k_out) if made else None
 
-    def bind_forward(self, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved):
-        """The C++ BoundForward: rope_ops.apply's cached plan calls it with (q, k, pos, pos_offset)."""
+    def bind(self, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved, inverse):
+        """The C++ BoundRope: rope_ops.apply's cached plans call it with (q, k, pos, pos_offset)."""
         if _state["module"] is None or _is_compiling():
             return None
-        return _state["module"].BoundForward(cos, sin, freq_turns, float(attention_factor),
-                                             _LAYOUT_CODES[layout], int(rotary_dim),
-                                             bool(interleaved))
+        return _state["module"].BoundRope(cos, sin, freq_turns, float(attention_factor),
+                                          _LAYOUT_CODES[layout], int(rotary_dim), bool(interleaved),
+                                          bool(inverse))
 
 
 def set_tuning(max_heads_per_thread: int = 0, min_threads_per_sm: int = 0) -> None:
