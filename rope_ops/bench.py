@@ -21,6 +21,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 
@@ -508,7 +509,7 @@ def plot(results: dict, path: str) -> None:
                   for w in workloads]
         ax.bar([x + i * width for x in range(len(workloads))], values, width, label=provider)
     ax.set_xticks([x + width * (len(providers) - 1) / 2 for x in range(len(workloads))])
-    ax.set_xticklabels([f"{w}\n{WORKLOADS[w].title}" for w in workloads], fontsize=8)
+    ax.set_xticklabels([f"{w}\n" + textwrap.fill(WORKLOADS[w].title, 16) for w in workloads], fontsize=8)
     ax.set_ylabel("% of same-run copy bandwidth (higher is better)")
     env = results["environment"]
     ax.set_title(f"rope_ops on {env.get('gpu', env.get('cpu'))}, {results['dtype']}, commit {env['commit']}", fontsize=9)
