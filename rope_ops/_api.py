@@ -73,7 +73,8 @@ def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | Non
 
 
 def _plan_key(q, k, pos, rotary_dim, style, layout, base, rope, backend, max_position, seq_len):
-    """The metadata an inference call's validation and selection read, or None (no fast path)."""
+    """The metadata a call's validation and selection read (whether it needs a gradient
+    included), or None (no fast path)."""
     if type(q) is not torch.Tensor or (k is not None and type(k) is not torch.Tensor):
         return None
     needs_grad = (q.requires_grad or (k is not None and k.requires_grad)) and torch.is_grad_enabled()
