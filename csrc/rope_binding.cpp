@@ -341,8 +341,6 @@ void set_launch(int64_t block_threads, int64_t rows_on_the_fly, int64_t pdl) {
                   static_cast<int>(pdl));
 }
 
-void set_tail(int64_t tail_64ths) { rope_set_tail(static_cast<int>(tail_64ths)); }
-
 int64_t num_variants() { return rope_num_variants(); }
 int64_t last_variant() { return rope_last_variant(); }
 
@@ -371,7 +369,6 @@ TORCH_LIBRARY(rope_ops_cuda, m) {
   m.def("set_tuning(int max_heads_per_thread, int min_threads_per_sm) -> ()");
   m.def("set_config(int variant, int max_heads_per_thread, int min_threads_per_sm) -> ()");
   m.def("set_launch(int block_threads, int rows_on_the_fly, int pdl) -> ()");
-  m.def("set_tail(int tail_64ths) -> ()");
   m.def("num_variants() -> int");
   m.def("last_variant() -> int");
   m.def(
@@ -380,7 +377,6 @@ TORCH_LIBRARY(rope_ops_cuda, m) {
   m.impl("set_tuning", &set_tuning);
   m.impl("set_config", &set_config);
   m.impl("set_launch", &set_launch);
-  m.impl("set_tail", &set_tail);
   m.impl("num_variants", &num_variants);
   m.impl("last_variant", &last_variant);
 }

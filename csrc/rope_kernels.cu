@@ -31,10 +31,8 @@ constexpr int kMaxThreads = 256;  // most threads per block (launch bounds of bo
 //   rows_on_the_fly: 1 = compute every cos/sin row from freq_turns instead of reading the table
 //            (when freq_turns is given): removes the dependent position -> table load from the
 //            latency path of decode-sized calls, at ~8 sincospif per thread.
-//   tail_64ths: the last tail_64ths/64 of the tokens go to one-head-per-thread blocks at the end
-//            of the grid (short-lived, so the grid drains fast); 0 = off.
 struct TuneConfig {
-  int variant, max_heads_per_thread, min_threads_per_sm, block_threads, rows_on_the_fly, tail_64ths;
+  int variant, max_heads_per_thread, min_threads_per_sm, block_threads, rows_on_the_fly;
 };
 // Index: many * 8 + small * 4 + inplace * 2 + neox. many = at least 64 heads per token (q + k);
 // small = decode-sized (fewer than 2048 threads per SM at one head per thread); inplace = rotary
@@ -52,22 +50,22 @@ struct TuneConfig {
 // - large out gptj: W3 out of place 67.6 us with blocks of 128 against 68.3 with 256.
 // Rows no workload measured copy their nearest measured neighbour.
 TuneConfig kDefaultConfig[16] = {
-    /* large out gptj */ {5, 8, 4096, 128, 0, 0},
-    /* large out neox */ {4, 4, 2048, 256, 0, 0},
-    /* large in  gptj */ {4, 4, 2048, 128, 0, 0},
-    /* large in  neox */ {4, 4, 2048, 128, 0, 0},
-    /* small out gptj */ {4, 2, 128, 256, 0, 0},
-    /* small out neox */ {4, 2, 128, 256, 0, 0},
-    /* small in  gptj */ {4, 2, 128, 256, 0, 0},
-    /* small in  neox */ {4, 2, 128, 256, 0, 0},
-    /* many large out gptj */ {5, 8, 4096, 128, 0, 0},
-    /* many large out neox */ {4, 6, 2048, 128, 0, 0},
-    /* many large in  gptj */ {4, 4, 2048, 128, 0, 0},
-    /* many large in  neox */ {4, 4, 2048, 128, 0, 0},
-    /* many small out gptj */ {4, 2, 128, 256, 0, 0},
-    /* many small out neox */ {4, 2, 128, 256, 0, 0},
-    /* many small in  gptj */ {4, 2, 128, 256, 0, 0},
-    /* many small in  neox */ {4, 2, 128, 256, 0, 0},
+    /* large out gptj */ {5, 8, 4096, 128, 0},
+    /* large out neox */ {4, 4, 2048, 256, 0},
+    /* large in  gptj */ {4, 4, 2048, 128, 0},
+    /* large in  neox */ {4, 4, 2048, 128, 0},
+    /* small out gptj */ {4, 2, 128, 256, 0},
+    /* small out neox */ {4, 2, 128, 256, 0},
+    /* small in  gptj */ {4, 2, 128, 256, 0},
+    /* small in  neox */ {4, 2, 128, 256, 0},
+    /* many large out gptj */ {5, 8, 4096, 128, 0},
+    /* many large out neox */ {4, 6, 2048, 128, 0},
+    /* many large in  gptj */ {4, 4, 2048, 128, 0},
+    /* many large in  neox */ {4, 4, 2048, 128, 0},
+    /* many small out gptj */ {4, 2, 128, 256, 0},
+    /* many small out neox */ {4, 2, 128, 256, 0},
+    /* many small in  gptj */ {4, 2, 128, 256, 0},
+    /* many small in  neox */ {4, 2, 128, 256, 0},
 };
 // Programmatic dependent launch (sm_90+): launch with programmatic stream serialization, so the
 // grid is scheduled while the previous kernel drains; every kernel waits (griddepcontrol.wait)
@@ -79,7 +77,6 @@ int g_max_heads_per_thread = -1;
 int g_min_threads_per_sm = -1;
 int g_block_threads = -1;
 int g_rows_on_the_fly = -1;
-int g_tail_64ths = -1;
 int g_last_variant = -2;  // variant of the last fast-path launch (-1: one head per thread)
 
 TuneConfig effective_config(bool many, bool small, bool inplace, bool neox) {
@@ -90,7 +87,6 @@ TuneConfig effective_config(bool many, bool small, bool inplace, bool neox) {
   if (g_min_threads_per_sm >= 1) c.min_threads_per_sm = g_min_threads_per_sm;
   if (g_block_threads >= 1) c.block_threads = g_block_threads;
   if (g_rows_on_the_fly >= 0) c.rows_on_the_fly = g_rows_on_the_fly;
-  if (g_tail_64ths >= 0) c.tail_64ths = g_tail_64ths;
   return c;
 }
 
@@ -359,17 +355,15 @@ struct ThreadIdx {
   long long b, s;
 };
 
-// tok0: the first token of this part of the grid (the tail part, see launch_typed; else 0).
 ROPE_HD ThreadIdx decompose(const RopeParams& p, const int CT, const int HL, const long long gid,
-                            const long long total, const long long tok0) {
+                            const long long total) {
   ThreadIdx r;
-  if (total <= 0x7fffffffLL && p.S <= 0x7fffffffLL && tok0 <= 0x7fffffffLL) {
+  if (total <= 0x7fffffffLL && p.S <= 0x7fffffffLL) {
     const uint32_t g = (uint32_t)gid;
     const uint32_t t = g / (uint32_t)CT;
     r.c = (int)(g - t * (uint32_t)CT);
-    const uint32_t tl = t / (uint32_t)HL;
-    r.lane = (int)(t - tl * (uint32_t)HL);
-    const uint32_t tok = tl + (uint32_t)tok0;
+    const uint32_t tok = t / (uint32_t)HL;
+    r.lane = (int)(t - tok * (uint32_t)HL);
     const uint32_t b = tok / (uint32_t)p.S;
     r.b = b;
     r.s = tok - b * (uint32_t)p.S;
@@ -377,7 +371,7 @@ ROPE_HD ThreadIdx decompose(const RopeParams& p, const int CT, const int HL, con
     r.c = (int)(gid % CT);
     const long long t = gid / CT;
     r.lane = (int)(t % HL);
-    const long long tok = t / HL + tok0;
+    const long long tok = t / HL;
     r.b = tok / p.S;
     r.s = tok - r.b * p.S;
   }
@@ -398,10 +392,9 @@ struct FastThread {
   float cs[NC], sn[NC];
 
   ROPE_HD FastThread(const RopeParams& pp, const int CR, const int CT, const int hl,
-                     const long long gid, const long long total, const long long tok0,
-                     const bool fly, int& lane_out)
+                     const long long gid, const long long total, const bool fly, int& lane_out)
       : p(pp), on_the_fly(fly) {
-    const ThreadIdx ix = decompose(p, CT, hl, gid, total, tok0);
+    const ThreadIdx ix = decompose(p, CT, hl, gid, total);
     lane_out = ix.lane;
     HL = hl;
     Ht = p.Hq + p.Hk;
@@ -483,10 +476,9 @@ struct FastThread {
 
 template <typename T, bool NEOX, int SCHED, int ST, int HINT>
 ROPE_HD void fast_thread(const RopeParams& p, const int CR, const int CT, const int HL,
-                         const long long gid, const long long total, const bool fly,
-                         const long long tok0 = 0) {
+                         const long long gid, const long long total, const bool fly) {
   int lane = 0;
-  FastThread<T, NEOX, ST, HINT> th(p, CR, CT, HL, gid, total, tok0, fly, lane);
+  FastThread<T, NEOX, ST, HINT> th(p, CR, CT, HL, gid, total, fly, lane);
   const long long step = (long long)HL * ST;
   if constexpr (SCHED == SCHED_ROUNDS) {
     bool have_cs = false;
@@ -534,29 +526,12 @@ constexpr VariantDesc kVariants[kNumVariants] = {
     {SCHED_ROUNDS, 4, HINT_PLAIN, "rounds4/plain"},
 };
 
-// Blocks [0, main_blocks) rotate tokens [0, tail_tok0) with HL head lanes (several heads per
-// thread); the blocks after them, dispatched last, rotate the remaining tail_total / (CT * Ht)
-// tokens with one head per thread: short-lived blocks, so the grid drains quickly (tail part
-// empty unless the call class's tail_64ths knob is set).
 template <typename T, bool NEOX, int SCHED, int ST, int HINT>
 __global__ void __launch_bounds__(kMaxThreads)
     rope_fast_kernel(const __grid_constant__ RopeParams p, const int CR, const int CT, const int HL,
-                     const long long total, const int on_the_fly, const long long main_blocks,
-                     const long long tail_total, const long long tail_tok0) {
-  // One head per thread everywhere (the host then never asks for a tail part): one path, which
-  // keeps this kernel at its own register count (64 rather than 71, bf16 neox).
-  if (SCHED == SCHED_ROUNDS && ST == 1) {
-    const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (gid < total) fast_thread<T, NEOX, SCHED, ST, HINT>(p, CR, CT, HL, gid, total, on_the_fly != 0);
-  } else if (blockIdx.x < main_blocks) {
-    const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (gid < total) fast_thread<T, NEOX, SCHED, ST, HINT>(p, CR, CT, HL, gid, total, on_the_fly != 0);
-  } else {
-    const long long gid = (long long)(blockIdx.x - main_blocks) * blockDim.x + threadIdx.x;
-    if (gid < tail_total)
-      fast_thread<T, NEOX, SCHED_ROUNDS, 1, HINT>(p, CR, CT, (int)(p.Hq + p.Hk), gid, tail_total,
-                                                  on_the_fly != 0, tail_tok0);
-  }
+                     const long long total, const int on_the_fly) {
+  const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (gid < total) fast_thread<T, NEOX, SCHED, ST, HINT>(p, CR, CT, HL, gid, total, on_the_fly != 0);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -722,21 +697,15 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
     }
     int threads = cfg.block_threads;
     threads = threads < 32 ? 32 : threads > kMaxThreads ? kMaxThreads : threads / 32 * 32;
-    // Tail part (cfg.tail_64ths / 64 of the tokens, the last ones, one head per thread) when a
-    // thread of the main part has several heads.
-    const int64_t tail_tokens = hl < Ht ? tokens * cfg.tail_64ths / 64 : 0;
-    const int64_t main_tokens = tokens - tail_tokens;
-    const int64_t total = main_tokens * CT * hl;
-    const int64_t main_blocks = (total + threads - 1) / threads;
-    const int64_t tail_total = tail_tokens * CT * Ht;
-    const int64_t blocks = main_blocks + (tail_total + threads - 1) / threads;
+    const int64_t total = per_lane * hl;
+    const int64_t blocks = (total + threads - 1) / threads;
     if (CT > (1 << 30) || hl > (1 << 30) || blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
     const int fly = cfg.rows_on_the_fly != 0 ? 1 : 0;
     // One head per thread: the ROUNDS/1 kernel (fewest registers); else the configured variant.
     const int v = hl >= Ht ? -1 : cfg.variant;
     g_last_variant = v;
 #ifdef ROPE_HOST_EMULATION
-    if (emulate) {  // every thread of the grid in block order: main part, then tail part
+    if (emulate) {
       for (long long g = 0; g < total; ++g) {
         switch (v) {
 #define ROPE_EMU_CASE(I)                                                                        \
@@ -756,9 +725,6 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
                                                            (long long)total, fly != 0);
         }
       }
-      for (long long g = 0; g < tail_total; ++g)
-        fast_thread<T, NEOX, SCHED_ROUNDS, 1, HINT_CS>(p, (int)CR, (int)CT, (int)Ht, g,
-                                                       (long long)tail_total, fly != 0, main_tokens);
       return cudaSuccess;
     }
 #endif
@@ -768,8 +734,7 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
   case I:                                                                                       \
     err = launch_kernel(                                                                        \
         rope_fast_kernel<T, NEOX, kVariants[I].sched, kVariants[I].stage, kVariants[I].hint>,   \
-        blocks, threads, pdl, stream, p, (int)CR, (int)CT, (int)hl, (long long)total, fly,      \
-        (long long)main_blocks, (long long)tail_total, (long long)main_tokens);                 \
+        blocks, threads, pdl, stream, p, (int)CR, (int)CT, (int)hl, (long long)total, fly);     \
     break;
       ROPE_LAUNCH_CASE(0)
       ROPE_LAUNCH_CASE(1)
@@ -780,8 +745,7 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
 #undef ROPE_LAUNCH_CASE
       default:
         err = launch_kernel(rope_fast_kernel<T, NEOX, SCHED_ROUNDS, 1, HINT_CS>, blocks, threads,
-                            pdl, stream, p, (int)CR, (int)CT, (int)hl, (long long)total, fly,
-                            (long long)main_blocks, (long long)tail_total, (long long)main_tokens);
+                            pdl, stream, p, (int)CR, (int)CT, (int)hl, (long long)total, fly);
     }
   } else {
     const int64_t per_head = p.R / 2 + ((p.copy_passthrough && p.D > p.R) ? p.D - p.R : 0);
@@ -860,10 +824,6 @@ extern "C" void rope_set_launch(int block_threads, int rows_on_the_fly, int pdl)
   rope_ops_cuda::g_block_threads = block_threads >= 1 ? block_threads : -1;
   rope_ops_cuda::g_rows_on_the_fly = rows_on_the_fly >= 0 ? (rows_on_the_fly != 0) : -1;
   rope_ops_cuda::g_pdl = pdl >= 0 ? (pdl != 0) : 1;
-}
-
-extern "C" void rope_set_tail(int tail_64ths) {
-  rope_ops_cuda::g_tail_64ths = tail_64ths >= 0 && tail_64ths <= 64 ? tail_64ths : -1;
 }
 
 extern "C" int rope_num_variants(void) { return rope_ops_cuda::kNumVariants; }

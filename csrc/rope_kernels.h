@@ -83,9 +83,6 @@ void rope_set_config(int variant, int max_heads_per_thread, int min_threads_per_
 // from freq_turns instead of reading the table; default per call class), pdl (programmatic
 // dependent launch on sm_90+; default 1).
 void rope_set_launch(int block_threads, int rows_on_the_fly, int pdl);
-// Tail split for every call (benchmarks, tests): the last tail_64ths/64 of the tokens (0..64) are
-// rotated by one-head-per-thread blocks at the end of the grid; negative restores the default.
-void rope_set_tail(int tail_64ths);
 int rope_num_variants(void);
 const char* rope_variant_name(int variant);
 int rope_last_variant(void);

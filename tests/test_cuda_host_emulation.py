@@ -119,8 +119,6 @@ def lib(tmp_path_factory):
     so.rope_set_config.restype = None
     so.rope_set_launch.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
     so.rope_set_launch.restype = None
-    so.rope_set_tail.argtypes = [ctypes.c_int]
-    so.rope_set_tail.restype = None
     so.rope_num_variants.restype = ctypes.c_int
     so.rope_last_variant.restype = ctypes.c_int
     so.rope_variant_name.argtypes = [ctypes.c_int]
@@ -157,16 +155,13 @@ class EmulatedBackend:
         return made
 
 
-@pytest.mark.parametrize("rows_on_the_fly, tail", [(-1, -1), (1, -1), (-1, 21)],
-                         ids=["defaults", "rows_on_the_fly", "tail_split"])
-def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_the_fly, tail):
+@pytest.mark.parametrize("rows_on_the_fly", [-1, 1], ids=["defaults", "rows_on_the_fly"])
+def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_the_fly):
     """The accuracy cases of tools/gpu_cuda_check.py; the second run computes every cos/sin row
-    from freq_turns (caller tables still read their table); the third gives the last 21/64 of
-    every call's tokens to one-head-per-thread tail blocks. (The block size only shapes the grid,
+    from freq_turns (caller tables still read their table). (The block size only shapes the grid,
     which the emulation does not have: it runs every thread id in turn.)"""
     g = check_tool
     lib.rope_set_launch(-1, rows_on_the_fly, -1)
-    lib.rope_set_tail(tail)
     monkeypatch.setattr(g, "DEV", "cpu")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(g, "large_tensor", lambda rn: None)
@@ -188,10 +183,6 @@ def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_t
             lib.rope_set_config(variant, max_heads, min_threads)
 
         @staticmethod
-        def set_tail(tail_64ths):
-            lib.rope_set_tail(tail_64ths)
-
-        @staticmethod
         def num_variants():
             return lib.rope_num_variants()
 
@@ -211,45 +202,12 @@ def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_t
     finally:
         lib.rope_set_config(-1, -1, -1)
         lib.rope_set_launch(-1, -1, -1)
-        lib.rope_set_tail(-1)
     assert rn.count > 250
     assert not rn.failures, "\n".join(rn.failures[:20])
     paths = list(rn.paths.values())
     assert paths.count(1) > 150 and paths.count(2) > 50, (paths.count(1), paths.count(2))
     # every fast-kernel variant (and the one-head-per-thread kernel, -1) ran
     assert used >= set(range(-1, lib.rope_num_variants())), sorted(used)
-
-
-@pytest.mark.parametrize("style", ["neox", "gptj"])
-def test_tail_split_matches_plain_grid(lib, style):
-    """Tail splits (the last tokens rotated by one-head-per-thread blocks) write the same bits as
-    the plain grid, for every variant, with [B, S] positions so tail tokens span batch rows."""
-    gen = torch.Generator().manual_seed(7)
-    q = torch.randn(3, 37, 10, 128, generator=gen).to(torch.bfloat16)
-    k = torch.randn(3, 37, 3, 128, generator=gen).to(torch.bfloat16)
-    cos, sin = torch.randn(64, 48, generator=gen), torch.randn(64, 48, generator=gen)
-    pos = torch.randint(0, 64, (3, 37), generator=gen)
-
-    def run(tail):
-        outs = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
-        p = params(q=q, k=k, q_out=outs[0], k_out=outs[1], layout="bshd", rotary_dim=96,
-                   interleaved=style == "gptj", inplace=False, cos=cos, sin=sin, pos=pos)
-        lib.rope_set_tail(tail)
-        assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
-        return outs
-
-    try:
-        for variant in range(lib.rope_num_variants()):
-            lib.rope_set_config(variant, 3, 1)
-            want = run(0)
-            assert not any(t.isnan().any() for t in want)
-            for tail in (1, 13, 40, 64):  # 1: 1 of 111 tokens; 64: every token in the tail
-                got = run(tail)
-                for g, w in zip(got, want):
-                    assert torch.equal(g.view(torch.int16), w.view(torch.int16)), (variant, tail)
-    finally:
-        lib.rope_set_config(-1, -1, -1)
-        lib.rope_set_tail(-1)
 
 
 def test_variant_selection(lib):

@@ -364,24 +364,6 @@ def accuracy(rn: Runner):
                                  expect_path=1, seed=7)
         finally:
             rn.cb.set_launch(-1, -1, -1)
-    # Tail splits: the last tokens of each call rotated by one-head-per-thread blocks at the end
-    # of the grid, behind several-heads-per-thread blocks of each pipelined variant.
-    if hasattr(rn.cb, "set_tail"):
-        try:
-            for variant, max_heads, tail in ((1, 3, 21), (3, 6, 8), (4, 6, 64)):
-                rn.cb.set_config(variant, max_heads, 1)
-                rn.cb.set_tail(tail)
-                print(f"  -- tail split {tail}/64, variant {variant}, max_heads_per_thread={max_heads}")
-                for dtype in dtypes:
-                    for style in ("neox", "gptj"):
-                        run_case(rn, dtype=dtype, style=style, layout="bshd", D=128, r=128, Hq=8,
-                                 Hk=2, B=3, S=700, inplace=False, inverse=False, rows=131072,
-                                 base=500000.0, expect_path=1, seed=8)
-                        run_case(rn, dtype=dtype, style=style, layout="thd", D=256, r=64, Hq=5,
-                                 Hk=3, S=1500, inplace=True, inverse=True, expect_path=1, seed=9)
-        finally:
-            rn.cb.set_config(-1, -1, -1)
-            rn.cb.set_tail(-1)
     alloc_outputs(rn)
     garbage_positions(rn)
     zero_tokens(rn)
@@ -722,8 +704,7 @@ def build_sets(w, cos, sin, ft, nsets, gen):
     return sets
 
 
-def perf(rn: Runner, sweep: bool, strict: bool, only: str | None = None, wide: bool = False,
-         tail: bool = False):
+def perf(rn: Runner, sweep: bool, strict: bool, only: str | None = None, wide: bool = False):
     print("\n== timing (CUDA graphs, rotating input sets, bf16, table of 131072 rows)")
     cb = rn.cb
     bw = copy_bandwidth()
@@ -782,12 +763,6 @@ def perf(rn: Runner, sweep: bool, strict: bool, only: str | None = None, wide: b
                 winners.append((name, key, t, bt))
                 if wrong:  # an accuracy failure, not a perf miss
                     msg = f"{name}: configs whose outputs differ from the default's: {wrong}"
-                    rn.failures.append(msg)
-                    print(f"  FAIL {msg}")
-            if tail and "small" not in class_key(w):
-                wrong = tail_sweep(cb, calls, reps, t, make_verify(sets, run, w["inplace"]), name)
-                if wrong:
-                    msg = f"{name}: tail-split configs whose outputs differ from the default's: {wrong}"
                     rn.failures.append(msg)
                     print(f"  FAIL {msg}")
             del sets, calls
@@ -962,40 +937,6 @@ def tuning_sweep(cb, calls, reps, baseline, verify, small, wide=False):
     return line, results[0], wrong
 
 
-def tail_sweep(cb, calls, reps, baseline, verify, name):
-    """--tail: the class default against tail splits (set_tail: the last k/64 of the tokens
-    rotated by one-head-per-thread blocks dispatched last, so the grid drains fast), over the
-    pipelined variants and heads per thread. Prints every config's time, best first; returns the
-    configs whose outputs differ from the default's."""
-    if not hasattr(cb, "set_tail"):
-        return []
-    wrong, results = [], []
-    for v, mh, bt in [(-1, -1, -1)] + [(v, mh, bt) for v in (3, 4) for mh in (4, 6, 8)
-                                       for bt in (128, 256)]:
-        for k in (0, 1, 2, 4, 8, 16):
-            cb.set_config(v, mh, -1 if mh == -1 else 1)
-            cb.set_launch(bt, -1, -1)
-            cb.set_tail(k)
-            try:
-                if not verify(exact=True):
-                    wrong.append((v, mh, bt, k))
-                    continue
-                results.append((graph_time_us(calls, reps, trials=3), v, mh, bt, k))
-            finally:
-                cb.set_config(-1, -1, -1)
-                cb.set_launch(-1, -1, -1)
-                cb.set_tail(-1)
-    results.sort()
-    print(f"   {name}: tail-split sweep (default {baseline:.2f} us); (variant, heads/thread, block, "
-          f"tail 64ths; -1 = class default):")
-    print("      " + "; ".join(f"{r[1:]}={r[0]:.2f}" for r in results))
-    for k in (0, 1, 2, 4, 8, 16):
-        got = [r for r in results if r[4] == k]
-        if got:
-            print(f"      best with tail {k}/64: {got[0][0]:.2f} us {got[0][1:]}")
-    return wrong
-
-
 def make_verify(sets, run, inplace):
     """A checker: rerun set 0's forward (restoring in-place inputs) and compare bitwise with the
     outputs of the class-default config, captured now."""
@@ -1084,8 +1025,6 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="time only workloads whose names start so (comma list: W1,W4)")
     ap.add_argument("--wide", action="store_true",
                     help="with --sweep: heads x threads x block size grid for the large classes")
-    ap.add_argument("--tail", action="store_true",
-                    help="time tail splits (set_tail) against the defaults on the large workloads")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every passing case")
     a = ap.parse_args()
     t_start = time.time()
@@ -1112,7 +1051,7 @@ def main() -> int:
         print(f"kernel paths taken: fast {paths.count(1)}, generic {paths.count(2)}")
     perf_fail = []
     if not a.no_perf:
-        perf_fail = perf(rn, a.sweep, a.strict_perf, a.only, a.wide, a.tail)
+        perf_fail = perf(rn, a.sweep, a.strict_perf, a.only, a.wide)
     print(f"\ntotal {time.time() - t_start:.0f} s")
     if rn.failures or perf_fail:
         print(f"FAILED: {len(rn.failures)} accuracy problems, {len(perf_fail)} perf misses")

@@ -299,12 +299,6 @@ def set_launch(block_threads: int = -1, rows_on_the_fly: int = -1, pdl: int = -1
     torch.ops.rope_ops_cuda.set_launch(block_threads, rows_on_the_fly, pdl)
 
 
-def set_tail(tail_64ths: int = -1) -> None:
-    """Tail split for every call (benchmarks): the last tail_64ths/64 of the tokens (0..64) go to
-    one-head-per-thread blocks at the end of the grid; -1 restores the per-class default."""
-    torch.ops.rope_ops_cuda.set_tail(tail_64ths)
-
-
 def num_variants() -> int:
     return int(torch.ops.rope_ops_cuda.num_variants())
 
