@@ -228,27 +228,23 @@ void rope_cuda(const at::Tensor& q, const std::optional<at::Tensor>& k, const at
             inplace);
 }
 
-// An uninitialised tensor like t, with the strides at::empty_like(t) gives it (t's own when t is
-// non-overlapping and dense, else dense strides in t's dimension order), straight from the CUDA
-// caching allocator: the dispatcher round trip of empty_like costs ~2-3 us per output on slow
-// host CPUs.
+// The strides at::empty_like(t) gives t: t's own when t is non-overlapping and dense, else dense
+// strides in t's dimension order.
+std::vector<int64_t> like_strides(const at::Tensor& t) {
+  if (t.is_non_overlapping_and_dense()) return t.strides().vec();
+  return at::infer_dense_strides(t.sizes(), t.strides());
+}
+
+// An uninitialised tensor like t (like_strides), straight from the CUDA caching allocator: the
+// dispatcher round trip of empty_like costs ~2-3 us per output on slow host CPUs.
 at::Tensor empty_like_cuda(const at::Tensor& t) {
-  if (t.is_non_overlapping_and_dense())
-    return at::detail::empty_strided_cuda(t.sizes(), t.strides(), t.scalar_type(), t.device());
-  return at::detail::empty_strided_cuda(t.sizes(), at::infer_dense_strides(t.sizes(), t.strides()),
-                                        t.scalar_type(), t.device());
+  return at::detail::empty_strided_cuda(t.sizes(), like_strides(t), t.scalar_type(), t.device());
 }
 
 // Outputs of calls up to this many bytes (q_out + k_out) share one allocation: a decode step's
 // host time is dominated by its two trips through the caching allocator (~2.3 us each on the
 // slowest hosts measured). Larger calls are GPU-bound and keep separate allocations.
 constexpr int64_t kPairedOutputBytes = 8 << 20;
-
-// Strides at::empty_like(t) gives t (see empty_like_cuda).
-std::vector<int64_t> like_strides(const at::Tensor& t) {
-  if (t.is_non_overlapping_and_dense()) return t.strides().vec();
-  return at::infer_dense_strides(t.sizes(), t.strides());
-}
 
 // (q_out, k_out) like empty_like_cuda(q), empty_like_cuda(k), as two tensors over one storage
 // (k_out's data 256-byte aligned after q_out's), made without the dispatcher.

@@ -387,11 +387,14 @@ def alloc_outputs(rn: Runner):
         q = torch.randn(2, 37, 6, 128, generator=gen).to(torch.bfloat16).to(DEV)
         k = torch.randn(2, 37, 2, 128, generator=gen).to(torch.bfloat16).to(DEV)
         pos = torch.randint(0, 300, (2, 37), generator=gen).to(DEV)
+
+        def call(q, k, pos, qo, ko):
+            return KernelArgs(q=q, k=k, q_out=qo, k_out=ko, pos=pos, pos_offset=0, cos=cos, sin=sin,
+                              freq_turns=ft, attention_factor=1.0, layout="bshd", rotary_dim=128,
+                              interleaved=False, inverse=False, inplace=False)
+
         for kk in (k, None):
-            mk = lambda qo, ko: KernelArgs(  # noqa: E731
-                q=q, k=kk, q_out=qo, k_out=ko, pos=pos, pos_offset=0, cos=cos, sin=sin,
-                freq_turns=ft, attention_factor=1.0, layout="bshd", rotary_dim=128,
-                interleaved=False, inverse=False, inplace=False)
+            mk = lambda qo, ko: call(q, kk, pos, qo, ko)  # noqa: E731
             qo = torch.empty_like(q)
             ko = torch.empty_like(kk) if kk is not None else None
             if rn.backend.run(mk(qo, ko)) is not None:
@@ -426,13 +429,9 @@ def alloc_outputs(rn: Runner):
             qkv = torch.randn(B, S, H, 128, generator=gen).to(torch.bfloat16).to(DEV)
             q_, k_ = qkv[:, :, :H - 4], qkv[:, :, H - 4:H - 2]
             pos_ = torch.randint(0, 256, (B, S), generator=gen).to(DEV)
-            mk = lambda qo, ko: KernelArgs(  # noqa: E731
-                q=q_, k=k_, q_out=qo, k_out=ko, pos=pos_, pos_offset=0, cos=cos, sin=sin,
-                freq_turns=ft, attention_factor=1.0, layout="bshd", rotary_dim=128,
-                interleaved=False, inverse=False, inplace=False)
             qo, ko = torch.empty_like(q_), torch.empty_like(k_)
-            rn.backend.run(mk(qo, ko))
-            made = rn.backend.run(mk(None, None))
+            rn.backend.run(call(q_, k_, pos_, qo, ko))
+            made = rn.backend.run(call(q_, k_, pos_, None, None))
             torch.cuda.synchronize()
             if not (torch.equal(made[0], qo) and torch.equal(made[1], ko)):
                 problems.append(f"{name}: {label}: allocated outputs differ")
