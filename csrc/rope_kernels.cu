@@ -9,7 +9,6 @@
 #include <cuda_runtime.h>
 
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 // Every per-thread function is __host__ __device__: the kernels are thin loops around them, and
@@ -517,7 +516,7 @@ struct VariantDesc {
   int sched, stage, hint;
   const char* name;
 };
-constexpr int kNumVariants = 7;
+constexpr int kNumVariants = 6;
 constexpr VariantDesc kVariants[kNumVariants] = {
     {SCHED_ROUNDS, 4, HINT_CS, "rounds4/ld.cs (original)"},
     {SCHED_PIPE, 2, HINT_CS, "pipe2/ld.cs"},
@@ -525,12 +524,7 @@ constexpr VariantDesc kVariants[kNumVariants] = {
     {SCHED_PIPE, 2, HINT_PLAIN, "pipe2/plain"},
     {SCHED_PIPE, 2, HINT_CS_ST, "pipe2/ld.cs+st.cs"},
     {SCHED_ROUNDS, 4, HINT_PLAIN, "rounds4/plain"},
-    // Not a per-thread schedule: the bulk kernel below (whole token rows through shared memory).
-    {SCHED_PIPE, 2, HINT_CS_ST, "bulk/TMA token rows"},
 };
-// The bulk variant; where a call does not qualify (bulk_ok) it runs kBulkFallback instead.
-constexpr int kBulkVariant = 6;
-constexpr int kBulkFallback = 4;
 
 template <typename T, bool NEOX, int SCHED, int ST, int HINT>
 __global__ void __launch_bounds__(kMaxThreads)
@@ -538,219 +532,6 @@ __global__ void __launch_bounds__(kMaxThreads)
                      const long long total, const int on_the_fly) {
   const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (gid < total) fast_thread<T, NEOX, SCHED, ST, HINT>(p, CR, CT, HL, gid, total, on_the_fly != 0);
-}
-
-// ------------------------------------------------------------------------------------------------
-// Bulk path (variant kBulkVariant, sm_90+): whole input token rows are loaded into shared memory
-// by the Tensor Memory Accelerator's 1-D bulk copies (cp.async.bulk), so the bytes in flight are
-// bounded by shared memory rather than by registers and a token's q (or k) heads are one load
-// instruction; results are stored from registers (16-byte st.global.cs), so a stage is free again
-// as soon as it is rotated. Taken when each input holds a token's heads contiguously (head stride
-// == head_dim) and the call writes whole rows (out of place, or in place with rotary_dim ==
-// head_dim: loading whole rows for a partial in-place call would read bytes it must not need).
-//
-// A block = one producer warp (lane 0 issues every copy) + consumer warps. Tokens are dealt to
-// blocks round-robin (token = blockIdx.x + i * gridDim.x) and cycle through `stages` buffers:
-//   stage layout: [q heads | k heads | cos row | sin row] (each a multiple of 16 bytes)
-//   producer: loads token i into stage i % stages (q row, k row and, for positions inside the
-//             table, the cos/sin rows; completion counted in bytes on full[s]); when the
-//             consumers are done with the stage (done[s]) it loads token i + stages into it.
-//   consumers: wait full[s], rotate the stage's chunks (fp32, the same formula and rounding as
-//             the fast path) and store them and the pass-through chunks to the outputs; arrive on
-//             done[s].
-// The position of a staged token is stored next to the barriers; positions outside the table
-// get their rows from freq_turns (or NaN), exactly as load_cos_sin does.
-constexpr int kBulkMaxStages = 8;
-constexpr int kBulkHeader = 256;  // full[8], done[8] (mbarriers) and pos[8] (int64)
-constexpr int kBulkSmemLimit = 227 * 1024;  // dynamic shared memory a block may opt in to (sm_90)
-
-// Chunk tasks t0, t0 + nthreads, ... of the staged token `tok`: (Hq + Hk) * CT tasks, head-major;
-// chunk c < CR is rotary (as in the fast path), CR <= c < CT a pass-through vector.
-template <typename T, bool NEOX>
-ROPE_HD void bulk_rotate(const RopeParams& p, const unsigned char* stage, const long long tok,
-                         const int CR, const int CT, const long long pos, const bool row_staged,
-                         const int t0, const int nthreads) {
-  constexpr int V = VecInfo<T>::kVec;
-  constexpr int NC = NEOX ? V : V / 2;
-  const long long Ht = p.Hq + p.Hk;
-  const long long half = p.R >> 1;
-  const T* rows = reinterpret_cast<const T*>(stage);
-  const float* cos_row = reinterpret_cast<const float*>(stage + Ht * p.D * (long long)sizeof(T));
-  const float* sin_row = cos_row + half;
-  const long long b = tok / p.S;
-  const long long s = tok - b * p.S;
-  T* qo = static_cast<T*>(p.q_out) + b * p.q_out_stride[0] + s * p.q_out_stride[1];
-  T* ko = p.Hk > 0 ? static_cast<T*>(p.k_out) + b * p.k_out_stride[0] + s * p.k_out_stride[1]
-                   : nullptr;
-  const long long tasks = Ht * CT;
-  int have = -1;
-  float cs[NC], sn[NC];
-  for (long long task = t0; task < tasks; task += nthreads) {
-    const int c = (int)(task % CT);
-    const long long h = task / CT;
-    const long long d0 = c < CR ? (long long)c * V : p.R + (long long)(c - CR) * V;
-    const T* x = rows + h * p.D + d0;
-    T* dst = (h < p.Hq ? qo + h * p.q_out_stride[2] : ko + (h - p.Hq) * p.k_out_stride[2]) + d0;
-    if (c >= CR) {
-      st_data<HINT_CS_ST>(dst, *reinterpret_cast<const uint4*>(x));
-      continue;
-    }
-    if (c != have) {  // the chunk's cos/sin, reused while the thread stays on chunk c
-      if (row_staged) {
-#pragma unroll
-        for (int j = 0; j < NC; ++j) {
-          cs[j] = cos_row[c * NC + j];
-          sn[j] = p.inverse ? -sin_row[c * NC + j] : sin_row[c * NC + j];
-        }
-      } else {
-        load_cos_sin<NC>(p, pos, (long long)c * NC, cs, sn, true);
-      }
-      have = c;
-    }
-    if (NEOX) {
-      float a[V], bb[V], ao[V], bo[V];
-      unpack16<T>(*reinterpret_cast<const uint4*>(x), a);
-      unpack16<T>(*reinterpret_cast<const uint4*>(x + half), bb);
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        ao[j] = fmaf(a[j], cs[j], -bb[j] * sn[j]);
-        bo[j] = fmaf(bb[j], cs[j], a[j] * sn[j]);
-      }
-      st_data<HINT_CS_ST>(dst, pack16<T>(ao));
-      st_data<HINT_CS_ST>(dst + half, pack16<T>(bo));
-    } else {
-      float a[V], o[V];
-      unpack16<T>(*reinterpret_cast<const uint4*>(x), a);
-#pragma unroll
-      for (int j = 0; j < V / 2; ++j) {
-        o[2 * j] = fmaf(a[2 * j], cs[j], -a[2 * j + 1] * sn[j]);
-        o[2 * j + 1] = fmaf(a[2 * j + 1], cs[j], a[2 * j] * sn[j]);
-      }
-      st_data<HINT_CS_ST>(dst, pack16<T>(o));
-    }
-  }
-}
-
-// Whether the token's cos/sin rows are staged from the table (else computed or NaN).
-ROPE_HD bool bulk_row_staged(const RopeParams& p, const long long pos, const bool fly) {
-  return !(fly && p.freq_turns != nullptr) && pos >= 0 && pos < p.table_rows;
-}
-
-template <typename T>
-ROPE_HD const char* bulk_row(const void* base, const int64_t* st, const long long tok,
-                             const long long S) {
-  const long long b = tok / S;
-  return static_cast<const char*>(base) + (b * st[0] + (tok - b * S) * st[1]) * (long long)sizeof(T);
-}
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
-  return (uint32_t)__cvta_generic_to_shared(ptr);
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-               "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
-#endif
-
-template <typename T, bool NEOX>
-__global__ void __launch_bounds__(kMaxThreads)
-    rope_bulk_kernel(const __grid_constant__ RopeParams p, const int CR, const int CT,
-                     const int stages, const int stage_bytes, const long long tokens,
-                     const int fly) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ __align__(128) unsigned char smem[];
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
-  uint64_t* done = full + kBulkMaxStages;
-  long long* staged_pos = reinterpret_cast<long long*>(done + kBulkMaxStages);
-  unsigned char* buf = smem + kBulkHeader;
-  const int consumers = (int)blockDim.x - 32;
-  const long long grid = gridDim.x;
-  const long long first = blockIdx.x;
-  const long long n = first < tokens ? (tokens - 1 - first) / grid + 1 : 0;  // this block's tokens
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&done[s], (uint32_t)consumers / 32);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  wait_for_previous_grid();
-  if (threadIdx.x < 32) {
-    if (threadIdx.x != 0) return;
-    // Producer. Positions are loaded one token ahead of their use (they head the chain).
-    const uint32_t q_bytes = (uint32_t)(p.Hq * p.D * (long long)sizeof(T));
-    const uint32_t k_bytes = (uint32_t)(p.Hk * p.D * (long long)sizeof(T));
-    const uint32_t row_bytes = (uint32_t)(p.R >> 1) * 4u;
-    auto position = [&](long long i) -> long long {
-      const long long tok = first + i * grid;
-      const long long b = tok / p.S;
-      return load_position(p, b, tok - b * p.S);
-    };
-    auto issue = [&](long long i, long long pos) {
-      const int s = (int)(i % stages);
-      unsigned char* dst = buf + (long long)s * stage_bytes;
-      const long long tok = first + i * grid;
-      const bool staged = bulk_row_staged(p, pos, fly != 0);
-      staged_pos[s] = pos;  // published by the arrive below (release), read after full[s]
-      mbar_expect_tx(&full[s], q_bytes + k_bytes + (staged ? 2 * row_bytes : 0));
-      bulk_load(dst, bulk_row<T>(p.q, p.q_stride, tok, p.S), q_bytes, &full[s]);
-      if (k_bytes) bulk_load(dst + q_bytes, bulk_row<T>(p.k, p.k_stride, tok, p.S), k_bytes, &full[s]);
-      if (staged) {
-        const long long off = pos * (p.R >> 1);
-        bulk_load(dst + q_bytes + k_bytes, p.cos_table + off, row_bytes, &full[s]);
-        bulk_load(dst + q_bytes + k_bytes + row_bytes, p.sin_table + off, row_bytes, &full[s]);
-      }
-    };
-    const long long pro = n < stages ? n : stages;
-    long long pos_pro[kBulkMaxStages];
-    for (long long i = 0; i < pro; ++i) pos_pro[i] = position(i);
-    for (long long i = 0; i < pro; ++i) issue(i, pos_pro[i]);
-    long long next_pos = pro < n ? position(pro) : 0;
-    for (long long i = 0; i + stages < n; ++i) {
-      const int s = (int)(i % stages);
-      const long long pos = next_pos;
-      if (i + stages + 1 < n) next_pos = position(i + stages + 1);
-      mbar_wait(&done[s], (uint32_t)((i / stages) & 1));
-      issue(i + stages, pos);
-    }
-    return;
-  }
-  const int t = (int)threadIdx.x - 32;
-  for (long long i = 0; i < n; ++i) {
-    const int s = (int)(i % stages);
-    mbar_wait(&full[s], (uint32_t)((i / stages) & 1));
-    const long long pos = staged_pos[s];
-    bulk_rotate<T, NEOX>(p, buf + (long long)s * stage_bytes, first + i * grid, CR, CT, pos,
-                         bulk_row_staged(p, pos, fly != 0), t, consumers);
-    // Our shared-memory reads are ordered before the next bulk load into the stage.
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncwarp();
-    if ((t & 31) == 0) mbar_arrive(&done[s]);
-  }
-#else
-  __trap();  // launched only on sm_90+ builds (see bulk_ok)
-#endif
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -867,12 +648,12 @@ int pick_path(const RopeParams* p) {
 // grid may be scheduled before the previous kernel in the stream has finished; the kernels wait
 // for it in wait_for_previous_grid before touching memory).
 template <typename... Params, typename... Args>
-cudaError_t launch_kernel_smem(void (*kernel)(Params...), int64_t blocks, int threads,
-                               size_t smem_bytes, bool pdl, cudaStream_t stream, Args... args) {
+cudaError_t launch_kernel(void (*kernel)(Params...), int64_t blocks, int threads, bool pdl,
+                          cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)blocks);
   cfg.blockDim = dim3((unsigned)threads);
-  cfg.dynamicSmemBytes = smem_bytes;
+  cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -880,95 +661,6 @@ cudaError_t launch_kernel_smem(void (*kernel)(Params...), int64_t blocks, int th
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, args...);
-}
-
-template <typename... Params, typename... Args>
-cudaError_t launch_kernel(void (*kernel)(Params...), int64_t blocks, int threads, bool pdl,
-                          cudaStream_t stream, Args... args) {
-  return launch_kernel_smem(kernel, blocks, threads, 0, pdl, stream, args...);
-}
-
-// Whether the bulk kernel can take a fast-path call: whole rows written (out of place, or in
-// place with rotary_dim == head_dim), each input's heads contiguous within a token, cos/sin rows
-// of a multiple of 16 bytes, and two stages fitting in shared memory.
-bool bulk_ok(const RopeParams& p) {
-  if (!p.copy_passthrough && p.R != p.D) return false;
-  if (p.R % 8 != 0) return false;
-  if (p.Hq > 1 && p.q_stride[2] != p.D) return false;
-  if (p.Hk > 1 && p.k_stride[2] != p.D) return false;
-  if (p.table_rows > 0 && (!aligned(p.cos_table, 16) || !aligned(p.sin_table, 16))) return false;
-  const int64_t stage = (p.Hq + p.Hk) * p.D * elem_size(p.dtype) + 4 * p.R;
-  return kBulkHeader + 2 * stage <= kBulkSmemLimit;
-}
-
-// Lets the bulk kernel use up to kBulkSmemLimit bytes of dynamic shared memory on the current
-// device (once per device and kernel instance).
-template <typename T, bool NEOX>
-cudaError_t allow_bulk_smem() {
-  static unsigned long long done_devices = 0;
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const unsigned long long bit = device < 64 ? 1ull << device : 0ull;
-  if (bit && (done_devices & bit)) return cudaSuccess;
-  err = cudaFuncSetAttribute(rope_bulk_kernel<T, NEOX>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             kBulkSmemLimit);
-  if (err == cudaSuccess) done_devices |= bit;
-  return err;
-}
-
-template <typename T, bool NEOX>
-cudaError_t launch_bulk(const RopeParams& p, const TuneConfig& cfg, const int64_t CR,
-                        const int64_t CT, const int sms,
-                        const bool pdl, cudaStream_t stream, const bool emulate) {
-  const int64_t tokens = p.B * p.S;
-  const int64_t stage_bytes = (p.Hq + p.Hk) * p.D * (int64_t)sizeof(T) + 4 * p.R;
-  // For this variant the config's knobs mean: max_heads_per_thread = stages per block,
-  // min_threads_per_sm = most blocks per SM, block_threads = consumer threads (+ one warp).
-  int stages = cfg.max_heads_per_thread < 2 ? 2 : cfg.max_heads_per_thread > kBulkMaxStages
-                                                      ? kBulkMaxStages
-                                                      : cfg.max_heads_per_thread;
-  while (stages > 2 && kBulkHeader + stages * stage_bytes > kBulkSmemLimit) --stages;
-  const int64_t smem = kBulkHeader + stages * stage_bytes;
-  int consumers = cfg.block_threads / 32 * 32;
-  consumers = consumers < 32 ? 32 : consumers > kMaxThreads - 32 ? kMaxThreads - 32 : consumers;
-  const int threads = consumers + 32;
-  int64_t per_sm = cfg.min_threads_per_sm < 1 ? 1 : cfg.min_threads_per_sm;
-  const int64_t by_smem = (228 * 1024) / (smem + 1024);  // 1 KB reserved per block
-  if (per_sm > by_smem) per_sm = by_smem;
-  if (per_sm > 2048 / threads) per_sm = 2048 / threads;
-  if (per_sm < 1) per_sm = 1;
-  const int64_t blocks = tokens < sms * per_sm ? tokens : sms * per_sm;
-  const int fly = cfg.rows_on_the_fly != 0 ? 1 : 0;
-  g_last_variant = kBulkVariant;
-#ifdef ROPE_HOST_EMULATION
-  if (emulate) {  // the consumers' code on each token in turn; rows copied as the TMA would
-    unsigned char* stage = static_cast<unsigned char*>(malloc((size_t)stage_bytes));
-    if (stage == nullptr) return cudaErrorMemoryAllocation;
-    const size_t q_bytes = (size_t)(p.Hq * p.D) * sizeof(T), k_bytes = (size_t)(p.Hk * p.D) * sizeof(T);
-    const size_t row_bytes = (size_t)(p.R / 2) * 4;
-    for (long long tok = 0; tok < tokens; ++tok) {
-      const long long b = tok / p.S;
-      const long long pos = load_position(p, b, tok - b * p.S);
-      const bool staged = bulk_row_staged(p, pos, fly != 0);
-      memcpy(stage, bulk_row<T>(p.q, p.q_stride, tok, p.S), q_bytes);
-      if (k_bytes) memcpy(stage + q_bytes, bulk_row<T>(p.k, p.k_stride, tok, p.S), k_bytes);
-      if (staged) {
-        memcpy(stage + q_bytes + k_bytes, p.cos_table + pos * (p.R / 2), row_bytes);
-        memcpy(stage + q_bytes + k_bytes + row_bytes, p.sin_table + pos * (p.R / 2), row_bytes);
-      }
-      for (int t = 0; t < consumers; ++t)
-        bulk_rotate<T, NEOX>(p, stage, tok, (int)CR, (int)CT, pos, staged, t, consumers);
-    }
-    free(stage);
-    return cudaSuccess;
-  }
-#endif
-  (void)emulate;
-  cudaError_t err = allow_bulk_smem<T, NEOX>();
-  if (err != cudaSuccess) return err;
-  return launch_kernel_smem(rope_bulk_kernel<T, NEOX>, blocks, threads, (size_t)smem, pdl, stream,
-                            p, (int)CR, (int)CT, stages, (int)stage_bytes, (long long)tokens, fly);
 }
 
 template <typename T, bool NEOX>
@@ -989,16 +681,7 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
     // Call class and its knobs (kDefaultConfig), unless rope_set_config / rope_set_launch forced
     // some.
     const bool small = tokens * CT * Ht < (int64_t)sms * 2048;  // decode-sized: < one full wave
-    TuneConfig cfg = effective_config(Ht >= 64, small, !p.copy_passthrough, NEOX);
-    if (cfg.variant == kBulkVariant) {
-      // Needs the TMA (sm_90 code, which the PDL switch also vouches for: the Python backend
-      // turns PDL off when no build architecture is sm_90+); else the fallback's usual knobs.
-      if ((emulate || pdl) && bulk_ok(p)) {
-        err = launch_bulk<T, NEOX>(p, cfg, CR, CT, sms, pdl, stream, emulate);
-        return err != cudaSuccess ? err : (emulate ? cudaSuccess : cudaGetLastError());
-      }
-      cfg = TuneConfig{kBulkFallback, 4, 2048, 256, cfg.rows_on_the_fly};
-    }
+    const TuneConfig cfg = effective_config(Ht >= 64, small, !p.copy_passthrough, NEOX);
     // Heads per thread: as many as possible (reuse of cos/sin, fewer index computations) while
     // keeping at least cfg.min_threads_per_sm threads per SM (decode-sized calls: few threads per
     // SM, so two heads each with the small-class rows).
