@@ -342,6 +342,14 @@ def accuracy(rn: Runner):
                         run_case(rn, dtype=dtype, style=style, layout="bhsd", D=256, r=64, Hq=4,
                                  Hk=0, inplace=True, inverse=False, pos_kind="offset",
                                  expect_path=1, seed=4)
+                        # whole rows: packed QKV views out of place, backward, int32 positions,
+                        # attention factor; in place at full rotary with offset positions
+                        run_case(rn, dtype=dtype, style=style, layout="thd", D=128, r=128, Hq=6,
+                                 Hk=2, inplace=False, inverse=True, kind="packed",
+                                 pdtype=torch.int32, m=0.75, expect_path=1, seed=8)
+                        run_case(rn, dtype=dtype, style=style, layout="bshd", D=64, r=64, Hq=3,
+                                 Hk=3, inplace=True, inverse=True, pos_kind="offset",
+                                 expect_path=1, seed=9)
             finally:
                 rn.cb.set_config(-1, -1, -1)  # the per-class defaults
     # Every cos/sin row computed from freq_turns (the rows_on_the_fly knob, off in every class)
