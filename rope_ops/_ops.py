@@ -42,13 +42,14 @@ def _tables(q, cos, sin, rope_key):
 
 
 def run_backend(backend_name, q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout,
-                rotary_dim, interleaved, inverse, inplace):
+                rotary_dim, interleaved, inverse, inplace, separate_outputs=False):
     """Run the backend (a name, or the object itself on the eager path), allocating outputs out
-    of place unless it does so itself. Returns (q_out, k_out)."""
+    of place unless it does so itself (``separate_outputs``: always here, one storage each; a
+    backend may put both in one allocation). Returns (q_out, k_out)."""
     backend = registry.get(backend_name) if isinstance(backend_name, str) else backend_name
     if inplace:
         q_out, k_out = q, k
-    elif backend.allocates_outputs:
+    elif backend.allocates_outputs and not separate_outputs:
         q_out = k_out = None
     else:
         q_out = torch.empty_like(q)
@@ -81,8 +82,10 @@ def bind(backend, cos, sin, freq_turns, attention_factor, layout, rotary_dim, in
 @torch.library.impl(_LIB, "rope", "CompositeExplicitAutograd")
 def _rope_kernel(q, k, pos, pos_offset, cos, sin, rope_key, layout, rotary_dim, interleaved, inverse,
                  backend):
+    # A custom op's returns may not share storage with each other (torch.compile checks; an error
+    # in future torch), and a backend may pair small outputs in one allocation: allocate here.
     q_out, k_out = run_backend(backend, q, k, pos, pos_offset, *_tables(q, cos, sin, rope_key), layout,
-                               rotary_dim, interleaved, inverse, False)
+                               rotary_dim, interleaved, inverse, False, separate_outputs=True)
     return q_out, (q.new_empty(0) if k_out is None else k_out)
 
 

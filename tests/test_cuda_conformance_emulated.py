@@ -35,6 +35,23 @@ _spec.loader.exec_module(_emu)
 lib = _emu.lib
 
 
+PAIRED_OUTPUT_BYTES = 8 << 20  # kPairedOutputBytes in csrc/rope_binding.cpp
+
+
+def allocate_like_the_binding(q, k):
+    """(q_out, k_out) as rope_eager in csrc/rope_binding.cpp makes them: empty_like's strides;
+    small pairs over one storage, k_out 256-byte aligned after q_out."""
+    if k is None or (q.numel() + k.numel()) * q.element_size() > PAIRED_OUTPUT_BYTES:
+        return torch.empty_like(q), None if k is None else torch.empty_like(k)
+    like_q, like_k = torch.empty_like(q), torch.empty_like(k)
+    elem = q.element_size()
+    offset = (q.numel() * elem + 255) // 256 * 256 // elem
+    buf = torch.empty((offset + k.numel()) * elem, dtype=torch.uint8, device=q.device)
+    q_out = q.new_empty(0).set_(buf.untyped_storage(), 0, q.shape, like_q.stride())
+    k_out = k.new_empty(0).set_(buf.untyped_storage(), offset, k.shape, like_k.stride())
+    return q_out, k_out
+
+
 class CpuEmulatedCudaBackend(CudaBackend):
     """CudaBackend whose kernels run through the host emulation, on CPU tensors."""
 
@@ -50,7 +67,7 @@ class CpuEmulatedCudaBackend(CudaBackend):
     def run(self, args):
         made = None
         if args.q_out is None:  # allocates_outputs (inherited): allocate as the C++ entry does
-            made = (torch.empty_like(args.q), None if args.k is None else torch.empty_like(args.k))
+            made = allocate_like_the_binding(args.q, args.k)
             args = args._replace(q_out=made[0], k_out=made[1])
         pos = args.pos
         p = _emu.params(q=args.q, k=args.k, q_out=args.q_out, k_out=args.k_out,

@@ -18,6 +18,7 @@ cannot pass by refusing everything.
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -305,7 +306,10 @@ class RopeConformance:
             q = torch.randn(2, 8, 4, 64, generator=gen).to(device).requires_grad_(True)
             k = torch.randn(2, 8, 2, 64, generator=gen).to(device).requires_grad_(True)
             pos = torch.randint(0, 100, (2, 8), generator=gen).to(device)
-            with torch._dynamo.config.patch(error_on_recompile=trial == 1):
+            with torch._dynamo.config.patch(error_on_recompile=trial == 1), warnings.catch_warnings():
+                # torch deprecates custom ops whose returns alias inputs or each other (an error
+                # in future torch): fail on the warning now.
+                warnings.filterwarnings("error", message=r".*may not alias any inputs")
                 loss = compiled(q, k, pos)
             loss.backward()
             grads = q.grad.clone(), k.grad.clone()
@@ -316,6 +320,23 @@ class RopeConformance:
             torch.testing.assert_close(grads[0], q.grad)
             torch.testing.assert_close(grads[1], k.grad)
         torch._dynamo.reset()
+
+    def test_op_outputs_have_their_own_storage(self, backend_name, backend_obj, device):
+        """torch.ops.rope_ops.rope (what traced code calls) returns q_out and k_out that share
+        no storage with each other or the inputs, even where the backend's eager path pairs
+        small outputs in one allocation."""
+        rope = rope_ops.RotaryEmbedding(64, max_position=32)
+        dtype = next(d for d in (torch.bfloat16, torch.float32, torch.float64) if d in backend_obj.dtypes)
+        q = torch.randn(2, 8, 4, 64, device=device, dtype=dtype)
+        k = torch.randn(2, 8, 2, 64, device=device, dtype=dtype)
+        pos = torch.randint(0, 32, (2, 8), device=device)
+        q_out, k_out = torch.ops.rope_ops.rope(q, k, pos, 0, None, None, rope.key, "bshd", 64,
+                                               False, False, backend_name)
+        storages = [t.untyped_storage().data_ptr() for t in (q, k, q_out, k_out)]
+        assert len(set(storages)) == 4, storages
+        expected_q, expected_k = rope_ops.apply(q, k, pos, rope=rope, backend=backend_name)
+        assert_bitwise_equal(q_out, expected_q, "q_out of the op")
+        assert_bitwise_equal(k_out, expected_k, "k_out of the op")
 
     # -- random cases ----------------------------------------------------------------------
 
