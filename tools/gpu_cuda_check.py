@@ -851,6 +851,9 @@ def class_key(w):
     return f"{many}{'small' if small else 'large'} {'in ' if w['inplace'] else 'out'} {w['style']}"
 
 
+SWEEP_VARIANTS: list[int] = []  # --variants: sweep only these (default: all)
+
+
 def sweep_configs(cb, small):
     """(variant, max_heads_per_thread, min_threads_per_sm, block_threads, rows_on_the_fly, pdl)
     to time; -1: the class default (pdl -1: on)."""
@@ -865,7 +868,7 @@ def sweep_configs(cb, small):
         return cfgs
     # one head per thread (the ROUNDS/1 kernel whatever the variant)
     cfgs.append((-1, 1, 4096, -1, -1, -1))
-    for v in range(num_variants(cb)):  # 9 per variant: ~8 s per workload on the H200
+    for v in SWEEP_VARIANTS or range(num_variants(cb)):  # 9 per variant: ~8 s per workload
         cfgs.append((v, 8, 4096, -1, -1, -1))
         for mh in (2, 4, 8, 16):
             for mt in (2048, 8192):
@@ -1032,8 +1035,12 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="time only workloads whose names start so (comma list: W1,W4)")
     ap.add_argument("--wide", action="store_true",
                     help="with --sweep: heads x threads x block size grid for the large classes")
+    ap.add_argument("--variants", default=None,
+                    help="with --sweep: only these kernel variants (comma list: 4,6,7)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every passing case")
     a = ap.parse_args()
+    if a.variants:
+        SWEEP_VARIANTS[:] = [int(v) for v in a.variants.split(",")]
     t_start = time.time()
     if not torch.cuda.is_available():
         print("no CUDA device: this script needs a GPU")
