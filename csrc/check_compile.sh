@@ -60,11 +60,8 @@ for cu in "$here"/*.cu; do
           function check(   need, i, n, miss) {
             if (kern == "") return
             # fast kernels: template <T, NEOX, SCHED, STAGE, HINT>; the mangled name ends in the
-            # HINT (for SCHED 0 and 1): 0 ld.cs loads + plain stores, 1 plain loads + stores, 2 ld.cs loads + st.cs stores
-            # SCHED_ASYNC (third template argument 2): q/k through cp.async, stores by HINT
-            if (kern ~ /rope_fast_kernel.*Lb[01]ELi2E.*ELi2EEEv10RopeParams/) n = split("cp.async.cg.shared.global ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.cs.v4", need, " ")
-            else if (kern ~ /rope_fast_kernel.*Lb[01]ELi2E/) n = split("cp.async.cg.shared.global ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
-            else if (kern ~ /rope_fast_kernel.*ELi1EEEv10RopeParams/) n = split("ld.global.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
+            # HINT: 0 ld.cs loads + plain stores, 1 plain loads + stores, 2 ld.cs loads + st.cs stores
+            if (kern ~ /rope_fast_kernel.*ELi1EEEv10RopeParams/) n = split("ld.global.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
             else if (kern ~ /rope_fast_kernel.*ELi2EEEv10RopeParams/) n = split("ld.global.cs.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.cs.v4", need, " ")
             else if (kern ~ /rope_fast_kernel/) n = split("ld.global.cs.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
             else if (kern ~ /rope_generic_kernel/) n = split("ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.f32 st.global", need, " ")

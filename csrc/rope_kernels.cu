@@ -322,11 +322,7 @@ ROPE_HD void load_cos_sin(const RopeParams& p, int64_t pos, int64_t i0, float* c
 //                 before the stores of stage i, so a thread always has loads in flight.
 // Cache hints (HINT): HINT_CS: q/k loads evict-first (ld.global.cs), plain stores; HINT_PLAIN:
 // plain loads and stores; HINT_CS_ST: evict-first loads and stores (st.global.cs).
-//   SCHED_ASYNC:  ST heads in flight per thread through cp.async (global -> shared, bypassing
-//                 L1) into the thread's own shared-memory slots: the bytes in flight cost no
-//                 registers, so a thread keeps ST heads (ST * 32 bytes for neox) outstanding
-//                 while it rotates and stores one head from registers.
-enum { SCHED_ROUNDS = 0, SCHED_PIPE = 1, SCHED_ASYNC = 2 };
+enum { SCHED_ROUNDS = 0, SCHED_PIPE = 1 };
 enum { HINT_CS = 0, HINT_PLAIN = 1, HINT_CS_ST = 2 };
 
 template <int HINT>
@@ -349,32 +345,6 @@ ROPE_HD void st_data(void* ptr, const uint4& v) {
   }
 #endif
   *p = v;
-}
-
-// cp.async of 16 bytes, global -> shared, .cg (L2 only: q/k bytes are read once, and keeping them
-// out of L1 leaves it to the cos/sin rows that a token's head lanes share). The host emulation
-// copies synchronously.
-ROPE_HD void cp_async16(uint4* smem_dst, const void* gsrc) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned dst = (unsigned)__cvta_generic_to_shared(smem_dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gsrc) : "memory");
-#else
-  *smem_dst = *reinterpret_cast<const uint4*>(gsrc);
-#endif
-}
-
-ROPE_HD void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-// Wait until at most N of this thread's committed groups are still in flight.
-template <int N>
-ROPE_HD void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
 }
 
 // Index decomposition of a thread id: 32-bit divisions when the whole grid fits in 31 bits
@@ -469,16 +439,6 @@ struct FastThread {
     }
   }
 
-  // SCHED_ASYNC: head h's vectors (when h < Ht) into shared-memory slots a and b.
-  ROPE_HD void cp_load(const long long h, uint4* a, uint4* b) const {
-    if (h < Ht) {
-      const bool isq = h < p.Hq;
-      const T* src = isq ? q_tok + h * p.q_stride[2] : k_tok + (h - p.Hq) * p.k_stride[2];
-      cp_async16(a, src);
-      if (NEOX && rot) cp_async16(b, src + half);
-    }
-  }
-
   ROPE_HD void store(const long long h0, const uint4* va, const uint4* vb) const {
 #pragma unroll
     for (int u = 0; u < ST; ++u) {
@@ -518,44 +478,6 @@ template <typename T, bool NEOX, int SCHED, int ST, int HINT>
 ROPE_HD void fast_thread(const RopeParams& p, const int CR, const int CT, const int HL,
                          const long long gid, const long long total, const bool fly) {
   int lane = 0;
-  if constexpr (SCHED == SCHED_ASYNC) {
-    // Slots: stage s, vector v of this thread at base[(2 * s + v) * stride] (on the device,
-    // threads of a block side by side: conflict-free 16-byte shared accesses).
-    FastThread<T, NEOX, 1, HINT> th1(p, CR, CT, HL, gid, total, fly, lane);
-    uint4* base;
-    long long stride;
-#ifdef __CUDA_ARCH__
-    extern __shared__ uint4 rope_async_slots[];
-    base = rope_async_slots + threadIdx.x;
-    stride = blockDim.x;
-#else
-    uint4 local_slots[2 * ST];
-    base = local_slots;
-    stride = 1;
-#endif
-    const long long hstep = HL;
-#pragma unroll
-    for (int s = 0; s < ST; ++s) {
-      th1.cp_load(lane + s * hstep, base + (2 * s) * stride, base + (2 * s + 1) * stride);
-      cp_async_commit();
-    }
-    th1.load_cs();
-    int s = 0;
-    for (long long h = lane; h < th1.Ht; h += hstep) {
-      cp_async_wait<ST - 1>();  // head h's group (committed ST groups ago) has landed
-      uint4 va[1], vb[1];
-      va[0] = base[(2 * s) * stride];
-      vb[0] = (NEOX && th1.rot) ? base[(2 * s + 1) * stride] : va[0];
-      th1.store(h, va, vb);
-      // Refill the slot only after the stores consumed its values (they depend on the shared
-      // loads above, so those have completed).
-      th1.cp_load(h + ST * hstep, base + (2 * s) * stride, base + (2 * s + 1) * stride);
-      cp_async_commit();
-      s = s + 1 == ST ? 0 : s + 1;
-    }
-    cp_async_wait<0>();
-    return;
-  }
   FastThread<T, NEOX, ST, HINT> th(p, CR, CT, HL, gid, total, fly, lane);
   const long long step = (long long)HL * ST;
   if constexpr (SCHED == SCHED_ROUNDS) {
@@ -594,7 +516,7 @@ struct VariantDesc {
   int sched, stage, hint;
   const char* name;
 };
-constexpr int kNumVariants = 9;
+constexpr int kNumVariants = 6;
 constexpr VariantDesc kVariants[kNumVariants] = {
     {SCHED_ROUNDS, 4, HINT_CS, "rounds4/ld.cs (original)"},
     {SCHED_PIPE, 2, HINT_CS, "pipe2/ld.cs"},
@@ -602,9 +524,6 @@ constexpr VariantDesc kVariants[kNumVariants] = {
     {SCHED_PIPE, 2, HINT_PLAIN, "pipe2/plain"},
     {SCHED_PIPE, 2, HINT_CS_ST, "pipe2/ld.cs+st.cs"},
     {SCHED_ROUNDS, 4, HINT_PLAIN, "rounds4/plain"},
-    {SCHED_ASYNC, 4, HINT_CS, "async4/cp.async.cg"},
-    {SCHED_ASYNC, 8, HINT_CS, "async8/cp.async.cg"},
-    {SCHED_ASYNC, 8, HINT_CS_ST, "async8/cp.async.cg+st.cs"},
 };
 
 template <typename T, bool NEOX, int SCHED, int ST, int HINT>
@@ -729,17 +648,12 @@ int pick_path(const RopeParams* p) {
 // grid may be scheduled before the previous kernel in the stream has finished; the kernels wait
 // for it in wait_for_previous_grid before touching memory).
 template <typename... Params, typename... Args>
-cudaError_t launch_kernel(void (*kernel)(Params...), int64_t blocks, int threads, size_t smem,
-                          bool pdl, cudaStream_t stream, Args... args) {
-  if (smem > 48 * 1024) {  // above the default limit of dynamic shared memory: opt in
-    const cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) return e;
-  }
+cudaError_t launch_kernel(void (*kernel)(Params...), int64_t blocks, int threads, bool pdl,
+                          cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)blocks);
   cfg.blockDim = dim3((unsigned)threads);
-  cfg.dynamicSmemBytes = smem;
+  cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -805,9 +719,6 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
           ROPE_EMU_CASE(3)
           ROPE_EMU_CASE(4)
           ROPE_EMU_CASE(5)
-          ROPE_EMU_CASE(6)
-          ROPE_EMU_CASE(7)
-          ROPE_EMU_CASE(8)
 #undef ROPE_EMU_CASE
           default:
             fast_thread<T, NEOX, SCHED_ROUNDS, 1, HINT_CS>(p, (int)CR, (int)CT, (int)hl, g,
@@ -823,9 +734,7 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
   case I:                                                                                       \
     err = launch_kernel(                                                                        \
         rope_fast_kernel<T, NEOX, kVariants[I].sched, kVariants[I].stage, kVariants[I].hint>,   \
-        blocks, threads,                                                                        \
-        kVariants[I].sched == SCHED_ASYNC ? (size_t)threads * kVariants[I].stage * 32 : 0, pdl,  \
-        stream, p, (int)CR, (int)CT, (int)hl, (long long)total, fly);                           \
+        blocks, threads, pdl, stream, p, (int)CR, (int)CT, (int)hl, (long long)total, fly);     \
     break;
       ROPE_LAUNCH_CASE(0)
       ROPE_LAUNCH_CASE(1)
@@ -833,13 +742,10 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
       ROPE_LAUNCH_CASE(3)
       ROPE_LAUNCH_CASE(4)
       ROPE_LAUNCH_CASE(5)
-      ROPE_LAUNCH_CASE(6)
-      ROPE_LAUNCH_CASE(7)
-      ROPE_LAUNCH_CASE(8)
 #undef ROPE_LAUNCH_CASE
       default:
         err = launch_kernel(rope_fast_kernel<T, NEOX, SCHED_ROUNDS, 1, HINT_CS>, blocks, threads,
-                            0, pdl, stream, p, (int)CR, (int)CT, (int)hl, (long long)total, fly);
+                            pdl, stream, p, (int)CR, (int)CT, (int)hl, (long long)total, fly);
     }
   } else {
     const int64_t per_head = p.R / 2 + ((p.copy_passthrough && p.D > p.R) ? p.D - p.R : 0);
@@ -853,7 +759,7 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
       return cudaSuccess;
     }
 #endif
-    err = launch_kernel(rope_generic_kernel<T, NEOX>, blocks, kMaxThreads, 0, pdl, stream, p,
+    err = launch_kernel(rope_generic_kernel<T, NEOX>, blocks, kMaxThreads, pdl, stream, p,
                         (long long)per_head, (long long)total);
   }
   return err != cudaSuccess ? err : cudaGetLastError();
