@@ -1,6 +1,6 @@
 // One-off probe kernels (H200, bf16, contiguous [tokens, H, 128] q and k, NeoX, full rotary).
-// flat_copy: a plain copy written like ours (16-byte vectors, U per thread, optional PDL), to see
-// whether a hand-written CUDA copy reaches the driver copy's speed at all.
+// flat_copy: a plain copy written like ours (16-byte vectors, U per thread, optional PDL, load and
+// store cache hints), to see whether a hand-written CUDA copy reaches the driver copy's speed.
 // flat_rope: one block per (token, q or k): a token's heads are contiguous, so the block reads
 // and writes one contiguous 4-16 KB range, like a copy's block; each thread owns vector c of
 // 16 in every head it visits (so one position and one cos/sin chunk per thread), and takes the
@@ -15,7 +15,15 @@ __device__ __forceinline__ void pdl_wait() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
-template <int U>
+// LD: 0 ld.global.cs (what our kernels use), 1 plain ld.global, 2 ld.global.nc; ST: 0 plain, 1 st.cs
+template <int LD>
+__device__ __forceinline__ uint4 ld16(const uint4* p) {
+  if constexpr (LD == 0) return __ldcs(p);
+  else if constexpr (LD == 1) return *p;
+  else return __ldg(p);
+}
+
+template <int U, int LD, int ST>
 __global__ void __launch_bounds__(256) flat_copy(const uint4* __restrict__ src, uint4* __restrict__ dst, long long n) {
   pdl_wait();
   const long long base = (long long)blockIdx.x * blockDim.x * U + threadIdx.x;
@@ -23,12 +31,15 @@ __global__ void __launch_bounds__(256) flat_copy(const uint4* __restrict__ src, 
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const long long i = base + (long long)u * blockDim.x;
-    if (i < n) v[u] = __ldcs(src + i);
+    if (i < n) v[u] = ld16<LD>(src + i);
   }
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const long long i = base + (long long)u * blockDim.x;
-    if (i < n) dst[i] = v[u];
+    if (i < n) {
+      if constexpr (ST == 1) __stcs(dst + i, v[u]);
+      else dst[i] = v[u];
+    }
   }
 }
 
@@ -113,12 +124,20 @@ static cudaError_t launch(const void* fn, long long blocks, int threads, int pdl
   return cudaLaunchKernelExC(&cfg, fn, args);
 }
 
-extern "C" int probe_copy(const void* src, void* dst, long long nvec, int threads, int U, int pdl, void* stream) {
+template <int U>
+static const void* copy_fn(int ld, int st) {
+  if (ld == 0) return st ? (const void*)flat_copy<U, 0, 1> : (const void*)flat_copy<U, 0, 0>;
+  if (ld == 1) return st ? (const void*)flat_copy<U, 1, 1> : (const void*)flat_copy<U, 1, 0>;
+  return st ? (const void*)flat_copy<U, 2, 1> : (const void*)flat_copy<U, 2, 0>;
+}
+
+extern "C" int probe_copy(const void* src, void* dst, long long nvec, int threads, int U, int pdl, int ld, int st,
+                          void* stream) {
   long long n = nvec;
   void* args[] = {&src, &dst, &n};
   const long long blocks = (nvec + (long long)threads * U - 1) / ((long long)threads * U);
-  const void* fn = U == 1 ? (const void*)flat_copy<1> : U == 2 ? (const void*)flat_copy<2>
-                 : U == 4 ? (const void*)flat_copy<4> : (const void*)flat_copy<8>;
+  const void* fn = U == 1 ? copy_fn<1>(ld, st) : U == 2 ? copy_fn<2>(ld, st) : U == 4 ? copy_fn<4>(ld, st)
+                                                                              : copy_fn<8>(ld, st);
   return (int)launch(fn, blocks, threads, pdl, (cudaStream_t)stream, args);
 }
 

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 import rope_ops
 from rope_ops import bench
@@ -23,8 +25,17 @@ subprocess.run(["nvcc", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-shared",
                check=True)
 lib = ctypes.CDLL(str(so))
 P, LL, I = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
-lib.probe_copy.argtypes = [P, P, LL, I, I, I, P]
+lib.probe_copy.argtypes = [P, P, LL, I, I, I, I, I, P]
 lib.probe_rope.argtypes = [P, P, P, P, P, P, P, LL, I, I, I, I, P]
+
+
+
+@triton.jit
+def triton_copy(src, dst, n, BLOCK: tl.constexpr):
+    off = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = off < n
+    tl.store(dst + off, tl.load(src + off, mask=m), mask=m)
+
 
 dev = torch.device("cuda")
 bf16 = torch.bfloat16
@@ -51,17 +62,24 @@ for label, tokens, hq, hk in (("W4 fwd", 8192, 32, 32), ("W1", 16384, 32, 8), ("
               torch.empty(per_set // 2, dtype=torch.uint8, device=dev)) for _ in range(nsets)]
     res = {"torch copy": timed([lambda a=a, b=b: b.copy_(a) for a, b in pairs])}
     nvec = per_set // 2 // 16
-    for threads, u, pdl in ((128, 4, 1), (128, 4, 0), (256, 4, 1), (256, 2, 1), (128, 8, 1), (256, 8, 1)):
-        def cp(a, b, threads=threads, u=u, pdl=pdl):
-            assert lib.probe_copy(P(a.data_ptr()), P(b.data_ptr()), nvec, threads, u, pdl, stream()) == 0
+    for threads, u, pdl, ld, st in ((128, 4, 1, 0, 0), (128, 4, 0, 0, 0), (128, 4, 1, 1, 0), (128, 4, 0, 1, 0),
+                                    (128, 4, 1, 2, 0), (128, 4, 1, 1, 1), (128, 4, 1, 0, 1), (256, 4, 1, 1, 0),
+                                    (128, 8, 1, 1, 0), (128, 2, 1, 1, 0)):
+        def cp(a, b, threads=threads, u=u, pdl=pdl, ld=ld, st=st):
+            assert lib.probe_copy(P(a.data_ptr()), P(b.data_ptr()), nvec, threads, u, pdl, ld, st, stream()) == 0
         calls = [lambda a=a, b=b: cp(a, b) for a, b in pairs]
         calls[0]()
         torch.cuda.synchronize()
         assert torch.equal(pairs[0][0], pairs[0][1])
-        res[f"our copy {threads}x{u} pdl{pdl}"] = timed(calls)
+        res[f"our copy {threads}x{u} pdl{pdl} {('ld.cs', 'ld', 'ld.nc')[ld]}{'+st.cs' if st else ''}"] = timed(calls)
+    tri = [lambda a=a, b=b: triton_copy[(triton.cdiv(per_set // 2, 8192),)](a, b, per_set // 2, BLOCK=8192, num_warps=4)
+           for a, b in pairs]
+    res["triton copy 8 KB/4 warps"] = timed(tri)
     res["library cuda"] = timed([lambda q=q, k=k: rope_ops.apply(q, k, pos, rope=rope, backend="cuda") for q, k in sets])
     ref_q, ref_k = rope_ops.apply(sets[0][0], sets[0][1], pos, rope=rope, backend="cuda")
     for threads, pdl in ((128, 1), (128, 0), (256, 1), (64, 1)):
+        if (max(hq, hk) * 16 + threads - 1) // threads > 8:
+            continue
         def rp(q, k, qo, ko, threads=threads, pdl=pdl):
             rc = lib.probe_rope(P(q.data_ptr()), P(k.data_ptr()), P(qo.data_ptr()), P(ko.data_ptr()), P(pos.data_ptr()),
                                 P(cos.data_ptr()), P(sin.data_ptr()), tokens, hq, hk, threads, pdl, stream())
