@@ -65,7 +65,7 @@ __device__ __forceinline__ uint4 pack(const float* f) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-template <int MAXU>
+template <int MAXU, int LD>
 __global__ void __launch_bounds__(256) flat_rope(const uint4* __restrict__ q, const uint4* __restrict__ k,
                                                  uint4* __restrict__ qo, uint4* __restrict__ ko,
                                                  const long long* __restrict__ pos,
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(256) flat_rope(const uint4* __restrict__ q, co
 #pragma unroll
   for (int u = 0; u < MAXU; ++u) {
     const int j = threadIdx.x + u * blockDim.x;
-    if (warp_base + u * (int)blockDim.x < nv) v[u] = __ldcs(src + j);
+    if (warp_base + u * (int)blockDim.x < nv) v[u] = ld16<LD>(src + j);
   }
   const int c = threadIdx.x & 15;
   const bool first = c < 8;
@@ -141,13 +141,19 @@ extern "C" int probe_copy(const void* src, void* dst, long long nvec, int thread
   return (int)launch(fn, blocks, threads, pdl, (cudaStream_t)stream, args);
 }
 
+template <int LD>
+static const void* rope_fn(int u) {
+  return u <= 1 ? (const void*)flat_rope<1, LD> : u <= 2 ? (const void*)flat_rope<2, LD>
+       : u <= 4 ? (const void*)flat_rope<4, LD> : (const void*)flat_rope<8, LD>;
+}
+
 extern "C" int probe_rope(const void* q, const void* k, void* qo, void* ko, const void* pos, const void* cos_t,
-                          const void* sin_t, long long tokens, int Hq, int Hk, int threads, int pdl, void* stream) {
+                          const void* sin_t, long long tokens, int Hq, int Hk, int threads, int pdl, int ld,
+                          void* stream) {
   void* args[] = {&q, &k, &qo, &ko, &pos, &cos_t, &sin_t, &Hq, &Hk};
   const int h = Hq > Hk ? Hq : Hk;
   const int u = (h * 16 + threads - 1) / threads;
-  const void* fn = u <= 1 ? (const void*)flat_rope<1> : u <= 2 ? (const void*)flat_rope<2>
-                 : u <= 4 ? (const void*)flat_rope<4> : (const void*)flat_rope<8>;
   if (u > 8) return -1;
+  const void* fn = ld == 0 ? rope_fn<0>(u) : rope_fn<1>(u);
   return (int)launch(fn, tokens * 2, threads, pdl, (cudaStream_t)stream, args);
 }

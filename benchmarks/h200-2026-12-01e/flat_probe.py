@@ -26,7 +26,7 @@ subprocess.run(["nvcc", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-shared",
 lib = ctypes.CDLL(str(so))
 P, LL, I = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
 lib.probe_copy.argtypes = [P, P, LL, I, I, I, I, I, P]
-lib.probe_rope.argtypes = [P, P, P, P, P, P, P, LL, I, I, I, I, P]
+lib.probe_rope.argtypes = [P, P, P, P, P, P, P, LL, I, I, I, I, I, P]
 
 
 
@@ -62,9 +62,9 @@ for label, tokens, hq, hk in (("W4 fwd", 8192, 32, 32), ("W1", 16384, 32, 8), ("
               torch.empty(per_set // 2, dtype=torch.uint8, device=dev)) for _ in range(nsets)]
     res = {"torch copy": timed([lambda a=a, b=b: b.copy_(a) for a, b in pairs])}
     nvec = per_set // 2 // 16
-    for threads, u, pdl, ld, st in ((128, 4, 1, 0, 0), (128, 4, 0, 0, 0), (128, 4, 1, 1, 0), (128, 4, 0, 1, 0),
-                                    (128, 4, 1, 2, 0), (128, 4, 1, 1, 1), (128, 4, 1, 0, 1), (256, 4, 1, 1, 0),
-                                    (128, 8, 1, 1, 0), (128, 2, 1, 1, 0)):
+    for threads, u, pdl, ld, st in ((128, 4, 1, 0, 0), (128, 4, 1, 1, 0), (128, 4, 1, 1, 1), (64, 1, 1, 1, 0),
+                                    (64, 2, 1, 1, 0), (64, 4, 1, 1, 0), (128, 1, 1, 1, 0), (128, 2, 1, 1, 0),
+                                    (256, 1, 1, 1, 0), (256, 2, 1, 1, 0), (256, 4, 1, 1, 0)):
         def cp(a, b, threads=threads, u=u, pdl=pdl, ld=ld, st=st):
             assert lib.probe_copy(P(a.data_ptr()), P(b.data_ptr()), nvec, threads, u, pdl, ld, st, stream()) == 0
         calls = [lambda a=a, b=b: cp(a, b) for a, b in pairs]
@@ -77,18 +77,18 @@ for label, tokens, hq, hk in (("W4 fwd", 8192, 32, 32), ("W1", 16384, 32, 8), ("
     res["triton copy 8 KB/4 warps"] = timed(tri)
     res["library cuda"] = timed([lambda q=q, k=k: rope_ops.apply(q, k, pos, rope=rope, backend="cuda") for q, k in sets])
     ref_q, ref_k = rope_ops.apply(sets[0][0], sets[0][1], pos, rope=rope, backend="cuda")
-    for threads, pdl in ((128, 1), (128, 0), (256, 1), (64, 1)):
+    for threads, pdl, ld in ((128, 1, 0), (128, 1, 1), (256, 1, 1), (64, 1, 1)):
         if (max(hq, hk) * 16 + threads - 1) // threads > 8:
             continue
-        def rp(q, k, qo, ko, threads=threads, pdl=pdl):
+        def rp(q, k, qo, ko, threads=threads, pdl=pdl, ld=ld):
             rc = lib.probe_rope(P(q.data_ptr()), P(k.data_ptr()), P(qo.data_ptr()), P(ko.data_ptr()), P(pos.data_ptr()),
-                                P(cos.data_ptr()), P(sin.data_ptr()), tokens, hq, hk, threads, pdl, stream())
+                                P(cos.data_ptr()), P(sin.data_ptr()), tokens, hq, hk, threads, pdl, ld, stream())
             assert rc == 0, rc
         calls = [lambda s=s, o=o: rp(*s, *o) for s, o in zip(sets, outs)]
         calls[0]()
         torch.cuda.synchronize()
         same = torch.equal(outs[0][0], ref_q) and torch.equal(outs[0][1], ref_k)
-        res[f"flat rope {threads} pdl{pdl}{'' if same else ' WRONG'}"] = timed(calls)
+        res[f"flat rope {threads} pdl{pdl} {('ld.cs', 'ld')[ld]}{'' if same else ' WRONG'}"] = timed(calls)
     tc = res["torch copy"]
     print(f"{label}: " + " | ".join(f"{n} {t:.2f} ({t / tc:.3f})" for n, t in res.items()), flush=True)
     del sets, outs, pairs
