@@ -535,6 +535,129 @@ __global__ void __launch_bounds__(kMaxThreads)
 }
 
 // ------------------------------------------------------------------------------------------------
+// Flat path (NeoX, full rotary R == D, every tensor's heads packed as contiguous rows of D elements:
+// [tokens, H, D] with token stride H * D; a row of VPR = D / V vectors, VPR a power of two <= 32).
+// The grid walks each tensor's rows like a copy kernel: thread g owns vector g of q (then of k),
+// loads it once, stores it once, and takes the other half of its pairs from lane ^ VPR/2 by
+// shuffles; its cos/sin chunk is the same for every row, so nothing is shared between threads.
+// Why this shape (H200, benchmarks/h200-2026-12-01e/flat_probe_*.txt): a plain copy kernel
+// reaches the driver's copy speed with 4 KB per block (256 threads x 16 bytes) and plain loads,
+// is 2-4 % slower with 8-16 KB blocks or ld.global.cs, and is limited by block launches below
+// 4 KB; the heads-per-thread kernels above move 24 KB per block with ld.global.cs.
+constexpr int kFlatThreads = 256;
+constexpr int kFlatVariant = -3;  // rope_last_variant() / rope_set_config() code of this path
+
+struct FlatIdx {
+  bool valid, isq;
+  int c;          // vector of the row, 0 .. VPR-1
+  long long row;  // row of the tensor (token * H + head)
+  long long b, s;
+};
+
+ROPE_HD FlatIdx flat_index(const RopeParams& p, const int vpr_log2, const long long blocks_q,
+                           const long long bid, const int tid) {
+  const int VPR = 1 << vpr_log2;
+  FlatIdx r;
+  r.isq = bid < blocks_q;
+  const long long H = r.isq ? p.Hq : p.Hk;
+  const long long gv = (r.isq ? bid : bid - blocks_q) * kFlatThreads + tid;
+  const long long n = p.B * p.S * H * VPR;
+  r.valid = gv < n;
+  r.c = (int)(gv & (VPR - 1));
+  r.row = gv >> vpr_log2;
+  long long tok;
+  if (n <= 0x7fffffffLL) {  // 32-bit divisions (~20 SASS instructions instead of ~70)
+    tok = (uint32_t)r.row / (uint32_t)H;
+    r.b = (uint32_t)tok / (uint32_t)p.S;
+  } else {
+    tok = r.row / H;
+    r.b = tok / p.S;
+  }
+  r.s = tok - r.b * p.S;
+  return r;
+}
+
+template <typename T>
+ROPE_HD uint4 flat_load(const RopeParams& p, const FlatIdx& ix) {
+  constexpr int V = VecInfo<T>::kVec;
+  const T* src = static_cast<const T*>(ix.isq ? p.q : p.k) + ix.row * p.D + (long long)ix.c * V;
+  return ld_data<HINT_PLAIN>(src);
+}
+
+// own: this lane's vector; other: lane c ^ VPR/2's (the other halves of the same pairs).
+template <typename T>
+ROPE_HD void flat_finish(const RopeParams& p, const FlatIdx& ix, const int VPR, const float* cs,
+                         const float* sn, const uint4& own, const uint4& other) {
+  constexpr int V = VecInfo<T>::kVec;
+  float x[V], y[V], o[V];
+  unpack16<T>(own, x);
+  unpack16<T>(other, y);
+  if (ix.c < VPR / 2) {  // first half: x' = x cos - y sin
+#pragma unroll
+    for (int j = 0; j < V; ++j) o[j] = fmaf(x[j], cs[j], -y[j] * sn[j]);
+  } else {  // second half (own = y, other = x): y' = y cos + x sin
+#pragma unroll
+    for (int j = 0; j < V; ++j) o[j] = fmaf(x[j], cs[j], y[j] * sn[j]);
+  }
+  T* dst = static_cast<T*>(ix.isq ? p.q_out : p.k_out) + ix.row * p.D + (long long)ix.c * V;
+  st_data<HINT_PLAIN>(dst, pack16<T>(o));
+}
+
+template <typename T>
+ROPE_HD void flat_cos_sin(const RopeParams& p, const FlatIdx& ix, const int VPR, const bool fly,
+                          float* cs, float* sn) {
+  constexpr int V = VecInfo<T>::kVec;
+  const long long pos = load_position(p, ix.b, ix.s);
+  load_cos_sin<V>(p, pos, (long long)(ix.c & (VPR / 2 - 1)) * V, cs, sn, fly);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kFlatThreads)
+    rope_flat_kernel(const __grid_constant__ RopeParams p, const int vpr_log2,
+                     const long long blocks_q, const int on_the_fly) {
+  constexpr int V = VecInfo<T>::kVec;
+  const int VPR = 1 << vpr_log2;
+  const FlatIdx ix = flat_index(p, vpr_log2, blocks_q, blockIdx.x, threadIdx.x);
+  wait_for_previous_grid();
+  uint4 own = make_uint4(0, 0, 0, 0);
+  float cs[V], sn[V];
+  if (ix.valid) {
+    own = flat_load<T>(p, ix);
+    flat_cos_sin<T>(p, ix, VPR, on_the_fly != 0, cs, sn);
+  }
+  // Every lane takes part in the shuffles (rows are whole within a warp: VPR divides 32).
+  uint4 other;
+  other.x = __shfl_xor_sync(0xffffffffu, own.x, VPR / 2);
+  other.y = __shfl_xor_sync(0xffffffffu, own.y, VPR / 2);
+  other.z = __shfl_xor_sync(0xffffffffu, own.z, VPR / 2);
+  other.w = __shfl_xor_sync(0xffffffffu, own.w, VPR / 2);
+  if (ix.valid) flat_finish<T>(p, ix, VPR, cs, sn, own, other);
+}
+
+// Whether the flat path applies: NeoX, R == D, D / V a power of two <= 32, and q, q_out, k, k_out
+// each [B, S, H, D] with rows packed (stride D per head, H * D per token, S * H * D per batch).
+inline bool flat_tensor_ok(const int64_t* st, int64_t B, int64_t S, int64_t H, int64_t D) {
+  if (st[3] != 1) return false;
+  if (H > 1 && st[2] != D) return false;
+  if (S > 1 && st[1] != H * D) return false;
+  if (B > 1 && st[0] != S * H * D) return false;
+  return true;
+}
+
+bool flat_ok(const RopeParams& p, int64_t V) {
+  if (p.interleaved || p.R != p.D || p.D % V != 0) return false;
+  const int64_t vpr = p.D / V;
+  if (vpr < 2 || vpr > 32 || (vpr & (vpr - 1)) != 0) return false;
+  if (p.Hq > 0 && (!flat_tensor_ok(p.q_stride, p.B, p.S, p.Hq, p.D) ||
+                   !flat_tensor_ok(p.q_out_stride, p.B, p.S, p.Hq, p.D)))
+    return false;
+  if (p.Hk > 0 && (!flat_tensor_ok(p.k_stride, p.B, p.S, p.Hk, p.D) ||
+                   !flat_tensor_ok(p.k_out_stride, p.B, p.S, p.Hk, p.D)))
+    return false;
+  return true;
+}
+
+// ------------------------------------------------------------------------------------------------
 // Generic path: any strides (including head_dim stride != 1), any even R, any D, no alignment.
 // One item per pair (j < R/2) or per pass-through element; grid-stride loop, 64-bit indices.
 template <typename T, bool NEOX>
@@ -701,6 +824,41 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
     const int64_t blocks = (total + threads - 1) / threads;
     if (CT > (1 << 30) || hl > (1 << 30) || blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
     const int fly = cfg.rows_on_the_fly != 0 ? 1 : 0;
+    // The flat path for calls it fits that are not decode-sized (those keep their tuned kernel),
+    // unless a benchmark forces a variant; rope_set_config(kFlatVariant, ...) forces it.
+    const int64_t VPR = p.D / V;
+    int vpr_log2 = 0;
+    while ((int64_t{1} << vpr_log2) < VPR) ++vpr_log2;
+    const int64_t blocks_q = (tokens * p.Hq * VPR + kFlatThreads - 1) / kFlatThreads;
+    const int64_t blocks_k = (tokens * p.Hk * VPR + kFlatThreads - 1) / kFlatThreads;
+    if (NEOX && flat_ok(p, V) && blocks_q + blocks_k <= 0x7fffffffLL &&
+        (g_variant == kFlatVariant || (g_variant < 0 && !small))) {
+      g_last_variant = kFlatVariant;
+#ifdef ROPE_HOST_EMULATION
+      if (emulate) {  // warp by warp: all loads first, as the shuffles see them
+        for (long long bid = 0; bid < blocks_q + blocks_k; ++bid) {
+          for (int w = 0; w < kFlatThreads; w += 32) {
+            FlatIdx ix[32];
+            uint4 own[32];
+            for (int l = 0; l < 32; ++l) {
+              ix[l] = flat_index(p, vpr_log2, blocks_q, bid, w + l);
+              own[l] = ix[l].valid ? flat_load<T>(p, ix[l]) : make_uint4(0, 0, 0, 0);
+            }
+            for (int l = 0; l < 32; ++l) {
+              if (!ix[l].valid) continue;
+              float cs[V], sn[V];
+              flat_cos_sin<T>(p, ix[l], (int)VPR, fly != 0, cs, sn);
+              flat_finish<T>(p, ix[l], (int)VPR, cs, sn, own[l], own[l ^ (int)(VPR / 2)]);
+            }
+          }
+        }
+        return cudaSuccess;
+      }
+#endif
+      err = launch_kernel(rope_flat_kernel<T>, blocks_q + blocks_k, kFlatThreads, pdl, stream, p,
+                          vpr_log2, (long long)blocks_q, fly);
+      return err != cudaSuccess ? err : cudaGetLastError();
+    }
     // One head per thread: the ROUNDS/1 kernel (fewest registers); else the configured variant.
     const int v = hl >= Ht ? -1 : cfg.variant;
     g_last_variant = v;
@@ -815,7 +973,9 @@ extern "C" void rope_set_tuning(int max_heads_per_thread, int min_threads_per_sm
 
 extern "C" void rope_set_config(int variant, int max_heads_per_thread, int min_threads_per_sm) {
   rope_ops_cuda::g_variant =
-      variant >= 0 && variant < rope_ops_cuda::kNumVariants ? variant : -1;
+      (variant >= 0 && variant < rope_ops_cuda::kNumVariants) || variant == rope_ops_cuda::kFlatVariant
+          ? variant
+          : -1;
   rope_ops_cuda::g_max_heads_per_thread = max_heads_per_thread >= 1 ? max_heads_per_thread : -1;
   rope_ops_cuda::g_min_threads_per_sm = min_threads_per_sm >= 1 ? min_threads_per_sm : -1;
 }
@@ -829,6 +989,7 @@ extern "C" void rope_set_launch(int block_threads, int rows_on_the_fly, int pdl)
 extern "C" int rope_num_variants(void) { return rope_ops_cuda::kNumVariants; }
 
 extern "C" const char* rope_variant_name(int variant) {
+  if (variant == rope_ops_cuda::kFlatVariant) return "flat (a vector per thread, shuffles)";
   if (variant < 0 || variant >= rope_ops_cuda::kNumVariants) return "rounds1/ld.cs (one head per thread)";
   return rope_ops_cuda::kVariants[variant].name;
 }
