@@ -539,12 +539,14 @@ __global__ void __launch_bounds__(kMaxThreads)
 // [tokens, H, D] with token stride H * D; a row of VPR = D / V vectors, VPR a power of two <= 32).
 // The grid walks each tensor's rows like a copy kernel: thread g owns vector g of q (then of k),
 // loads it once, stores it once, and takes the other half of its pairs from lane ^ VPR/2 by
-// shuffles; its cos/sin chunk is the same for every row, so nothing is shared between threads.
+// shuffles; blocks of 128 threads, each with two vectors 128 apart (the same chunk of the row).
 // Why this shape (H200, benchmarks/h200-2026-12-01e/flat_probe_*.txt): a plain copy kernel
-// reaches the driver's copy speed with 4 KB per block (256 threads x 16 bytes) and plain loads,
+// reaches the driver's copy speed with 4 KB per block (128 x 2 or 256 x 1 vectors) and plain loads,
 // is 2-4 % slower with 8-16 KB blocks or ld.global.cs, and is limited by block launches below
 // 4 KB; the heads-per-thread kernels above move 24 KB per block with ld.global.cs.
-constexpr int kFlatThreads = 256;
+constexpr int kFlatThreads = 128;
+constexpr int kFlatPerThread = 2;  // vectors per thread, kFlatThreads apart
+constexpr int kFlatVectors = kFlatThreads * kFlatPerThread;  // per block: 4 KB of 16-bit data
 constexpr int kFlatVariant = -3;  // rope_last_variant() / rope_set_config() code of this path
 
 struct FlatIdx {
@@ -554,13 +556,14 @@ struct FlatIdx {
   long long b, s;
 };
 
+// slot: the vector's place among the block's kFlatVectors (u * kFlatThreads + thread).
 ROPE_HD FlatIdx flat_index(const RopeParams& p, const int vpr_log2, const long long blocks_q,
-                           const long long bid, const int tid) {
+                           const long long bid, const int slot) {
   const int VPR = 1 << vpr_log2;
   FlatIdx r;
   r.isq = bid < blocks_q;
   const long long H = r.isq ? p.Hq : p.Hk;
-  const long long gv = (r.isq ? bid : bid - blocks_q) * kFlatThreads + tid;
+  const long long gv = (r.isq ? bid : bid - blocks_q) * kFlatVectors + slot;
   const long long n = p.B * p.S * H * VPR;
   r.valid = gv < n;
   r.c = (int)(gv & (VPR - 1));
@@ -605,9 +608,8 @@ ROPE_HD void flat_finish(const RopeParams& p, const FlatIdx& ix, const int VPR, 
 
 template <typename T>
 ROPE_HD void flat_cos_sin(const RopeParams& p, const FlatIdx& ix, const int VPR, const bool fly,
-                          float* cs, float* sn) {
+                          const long long pos, float* cs, float* sn) {
   constexpr int V = VecInfo<T>::kVec;
-  const long long pos = load_position(p, ix.b, ix.s);
   load_cos_sin<V>(p, pos, (long long)(ix.c & (VPR / 2 - 1)) * V, cs, sn, fly);
 }
 
@@ -616,22 +618,34 @@ __global__ void __launch_bounds__(kFlatThreads)
     rope_flat_kernel(const __grid_constant__ RopeParams p, const int vpr_log2,
                      const long long blocks_q, const int on_the_fly) {
   constexpr int V = VecInfo<T>::kVec;
+  constexpr int U = kFlatPerThread;
   const int VPR = 1 << vpr_log2;
-  const FlatIdx ix = flat_index(p, vpr_log2, blocks_q, blockIdx.x, threadIdx.x);
+  FlatIdx ix[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    ix[u] = flat_index(p, vpr_log2, blocks_q, blockIdx.x, u * kFlatThreads + threadIdx.x);
   wait_for_previous_grid();
-  uint4 own = make_uint4(0, 0, 0, 0);
-  float cs[V], sn[V];
-  if (ix.valid) {
-    own = flat_load<T>(p, ix);
-    flat_cos_sin<T>(p, ix, VPR, on_the_fly != 0, cs, sn);
+  // Positions first (they head the position -> cos/sin chain), then the data, then the rows.
+  long long pos[U];
+  uint4 own[U];
+  float cs[U][V], sn[U][V];
+#pragma unroll
+  for (int u = 0; u < U; ++u) pos[u] = ix[u].valid ? load_position(p, ix[u].b, ix[u].s) : 0;
+#pragma unroll
+  for (int u = 0; u < U; ++u) own[u] = ix[u].valid ? flat_load<T>(p, ix[u]) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (ix[u].valid) flat_cos_sin<T>(p, ix[u], VPR, on_the_fly != 0, pos[u], cs[u], sn[u]);
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    // Every lane takes part in the shuffles (rows are whole within a warp: VPR divides 32).
+    uint4 other;
+    other.x = __shfl_xor_sync(0xffffffffu, own[u].x, VPR / 2);
+    other.y = __shfl_xor_sync(0xffffffffu, own[u].y, VPR / 2);
+    other.z = __shfl_xor_sync(0xffffffffu, own[u].z, VPR / 2);
+    other.w = __shfl_xor_sync(0xffffffffu, own[u].w, VPR / 2);
+    if (ix[u].valid) flat_finish<T>(p, ix[u], VPR, cs[u], sn[u], own[u], other);
   }
-  // Every lane takes part in the shuffles (rows are whole within a warp: VPR divides 32).
-  uint4 other;
-  other.x = __shfl_xor_sync(0xffffffffu, own.x, VPR / 2);
-  other.y = __shfl_xor_sync(0xffffffffu, own.y, VPR / 2);
-  other.z = __shfl_xor_sync(0xffffffffu, own.z, VPR / 2);
-  other.w = __shfl_xor_sync(0xffffffffu, own.w, VPR / 2);
-  if (ix.valid) flat_finish<T>(p, ix, VPR, cs, sn, own, other);
 }
 
 // Whether the flat path applies: NeoX, R == D, D / V a power of two <= 32, and q, q_out, k, k_out
@@ -829,15 +843,15 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
     const int64_t VPR = p.D / V;
     int vpr_log2 = 0;
     while ((int64_t{1} << vpr_log2) < VPR) ++vpr_log2;
-    const int64_t blocks_q = (tokens * p.Hq * VPR + kFlatThreads - 1) / kFlatThreads;
-    const int64_t blocks_k = (tokens * p.Hk * VPR + kFlatThreads - 1) / kFlatThreads;
+    const int64_t blocks_q = (tokens * p.Hq * VPR + kFlatVectors - 1) / kFlatVectors;
+    const int64_t blocks_k = (tokens * p.Hk * VPR + kFlatVectors - 1) / kFlatVectors;
     if (NEOX && flat_ok(p, V) && blocks_q + blocks_k <= 0x7fffffffLL &&
         (g_variant == kFlatVariant || (g_variant < 0 && !small))) {
       g_last_variant = kFlatVariant;
 #ifdef ROPE_HOST_EMULATION
       if (emulate) {  // warp by warp: all loads first, as the shuffles see them
         for (long long bid = 0; bid < blocks_q + blocks_k; ++bid) {
-          for (int w = 0; w < kFlatThreads; w += 32) {
+          for (int w = 0; w < kFlatVectors; w += 32) {  // a warp's slots: 32 consecutive
             FlatIdx ix[32];
             uint4 own[32];
             for (int l = 0; l < 32; ++l) {
@@ -847,7 +861,8 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
             for (int l = 0; l < 32; ++l) {
               if (!ix[l].valid) continue;
               float cs[V], sn[V];
-              flat_cos_sin<T>(p, ix[l], (int)VPR, fly != 0, cs, sn);
+              flat_cos_sin<T>(p, ix[l], (int)VPR, fly != 0, load_position(p, ix[l].b, ix[l].s),
+                              cs, sn);
               flat_finish<T>(p, ix[l], (int)VPR, cs, sn, own[l], own[l ^ (int)(VPR / 2)]);
             }
           }
