@@ -537,114 +537,99 @@ __global__ void __launch_bounds__(kMaxThreads)
 // ------------------------------------------------------------------------------------------------
 // Flat path (NeoX, full rotary R == D, every tensor's heads packed as contiguous rows of D elements:
 // [tokens, H, D] with token stride H * D; a row of VPR = D / V vectors, VPR a power of two <= 32).
-// The grid walks each tensor's rows like a copy kernel: thread g owns vector g of q (then of k),
-// loads it once, stores it once, and takes the other half of its pairs from lane ^ VPR/2 by
-// shuffles; blocks of 128 threads, each with two vectors 128 apart (the same chunk of the row).
-// Why this shape (H200, benchmarks/h200-2026-12-01e/flat_probe_*.txt): a plain copy kernel
-// reaches the driver's copy speed with 4 KB per block (128 x 2 or 256 x 1 vectors) and plain loads,
-// is 2-4 % slower with 8-16 KB blocks or ld.global.cs, and is limited by block launches below
-// 4 KB; the heads-per-thread kernels above move 24 KB per block with ld.global.cs.
+// One block of 128 threads per (token, q or k): the block reads and writes the token's contiguous
+// H * D elements like a copy kernel's block; thread t owns vector c = t % VPR of rows t / VPR,
+// t / VPR + 128 / VPR, ... (so one position and one cos/sin chunk per thread), and takes the other
+// half of its pairs from lane ^ VPR/2 by shuffles. Plain loads and stores.
+// Why (H200, benchmarks/h200-2026-12-01e/flat_probe_*.txt): copy kernels with ld.global.cs or
+// more than ~8 KB per block lose 3-6 % to the driver's copy; this shape, probed, did 1.03 x copy
+// on W4's forward where the heads-per-thread kernels did 1.06. (A thread per 1-2 vectors over
+// the whole tensor, with its own index math, position and cos/sin loads per vector, was 1.6 x
+// slower: issue-bound.)
 constexpr int kFlatThreads = 128;
-constexpr int kFlatPerThread = 2;  // vectors per thread, kFlatThreads apart
-constexpr int kFlatVectors = kFlatThreads * kFlatPerThread;  // per block: 4 KB of 16-bit data
-constexpr int kFlatVariant = -3;  // rope_last_variant() / rope_set_config() code of this path
+constexpr int kFlatMaxPerThread = 8;  // vectors per thread: H * VPR <= 1024
+constexpr int kFlatVariant = -3;      // rope_last_variant() / rope_set_config() code of this path
 
-struct FlatIdx {
-  bool valid, isq;
-  int c;          // vector of the row, 0 .. VPR-1
-  long long row;  // row of the tensor (token * H + head)
-  long long b, s;
+struct FlatBlock {
+  bool isq;
+  int nv;  // vectors of this token in this tensor: H * VPR
+  long long tok, b, s;
 };
 
-// slot: the vector's place among the block's kFlatVectors (u * kFlatThreads + thread).
-ROPE_HD FlatIdx flat_index(const RopeParams& p, const int vpr_log2, const long long blocks_q,
-                           const long long bid, const int slot) {
-  const int VPR = 1 << vpr_log2;
-  FlatIdx r;
-  r.isq = bid < blocks_q;
-  const long long H = r.isq ? p.Hq : p.Hk;
-  const long long gv = (r.isq ? bid : bid - blocks_q) * kFlatVectors + slot;
-  const long long n = p.B * p.S * H * VPR;
-  r.valid = gv < n;
-  r.c = (int)(gv & (VPR - 1));
-  r.row = gv >> vpr_log2;
-  long long tok;
-  if (n <= 0x7fffffffLL) {  // 32-bit divisions (~20 SASS instructions instead of ~70)
-    tok = (uint32_t)r.row / (uint32_t)H;
-    r.b = (uint32_t)tok / (uint32_t)p.S;
-  } else {
-    tok = r.row / H;
-    r.b = tok / p.S;
-  }
-  r.s = tok - r.b * p.S;
+ROPE_HD FlatBlock flat_block(const RopeParams& p, const int vpr_log2, const long long bid) {
+  FlatBlock r;
+  const bool both = p.Hq > 0 && p.Hk > 0;
+  r.isq = both ? (bid & 1) == 0 : p.Hq > 0;
+  r.tok = both ? bid >> 1 : bid;
+  r.nv = (int)((r.isq ? p.Hq : p.Hk) << vpr_log2);
+  r.b = r.tok / p.S;
+  r.s = r.tok - r.b * p.S;
   return r;
 }
 
 template <typename T>
-ROPE_HD uint4 flat_load(const RopeParams& p, const FlatIdx& ix) {
+ROPE_HD uint4 flat_load(const RopeParams& p, const FlatBlock& fb, const int j) {
   constexpr int V = VecInfo<T>::kVec;
-  const T* src = static_cast<const T*>(ix.isq ? p.q : p.k) + ix.row * p.D + (long long)ix.c * V;
+  const T* src = static_cast<const T*>(fb.isq ? p.q : p.k) + (fb.tok * fb.nv + j) * V;
   return ld_data<HINT_PLAIN>(src);
 }
 
-// own: this lane's vector; other: lane c ^ VPR/2's (the other halves of the same pairs).
+// own: vector j of the token; other: vector j ^ VPR/2 (the other halves of the same pairs).
 template <typename T>
-ROPE_HD void flat_finish(const RopeParams& p, const FlatIdx& ix, const int VPR, const float* cs,
-                         const float* sn, const uint4& own, const uint4& other) {
+ROPE_HD void flat_finish(const RopeParams& p, const FlatBlock& fb, const int j, const int VPR,
+                         const float* cs, const float* sn, const uint4& own, const uint4& other) {
   constexpr int V = VecInfo<T>::kVec;
   float x[V], y[V], o[V];
   unpack16<T>(own, x);
   unpack16<T>(other, y);
-  if (ix.c < VPR / 2) {  // first half: x' = x cos - y sin
+  if ((j & (VPR - 1)) < VPR / 2) {  // first half: x' = x cos - y sin
 #pragma unroll
-    for (int j = 0; j < V; ++j) o[j] = fmaf(x[j], cs[j], -y[j] * sn[j]);
+    for (int i = 0; i < V; ++i) o[i] = fmaf(x[i], cs[i], -y[i] * sn[i]);
   } else {  // second half (own = y, other = x): y' = y cos + x sin
 #pragma unroll
-    for (int j = 0; j < V; ++j) o[j] = fmaf(x[j], cs[j], y[j] * sn[j]);
+    for (int i = 0; i < V; ++i) o[i] = fmaf(x[i], cs[i], y[i] * sn[i]);
   }
-  T* dst = static_cast<T*>(ix.isq ? p.q_out : p.k_out) + ix.row * p.D + (long long)ix.c * V;
+  T* dst = static_cast<T*>(fb.isq ? p.q_out : p.k_out) + (fb.tok * fb.nv + j) * V;
   st_data<HINT_PLAIN>(dst, pack16<T>(o));
 }
 
 template <typename T>
-ROPE_HD void flat_cos_sin(const RopeParams& p, const FlatIdx& ix, const int VPR, const bool fly,
-                          const long long pos, float* cs, float* sn) {
+ROPE_HD void flat_cos_sin(const RopeParams& p, const FlatBlock& fb, const int c, const int VPR,
+                          const bool fly, float* cs, float* sn) {
   constexpr int V = VecInfo<T>::kVec;
-  load_cos_sin<V>(p, pos, (long long)(ix.c & (VPR / 2 - 1)) * V, cs, sn, fly);
+  load_cos_sin<V>(p, load_position(p, fb.b, fb.s), (long long)(c & (VPR / 2 - 1)) * V, cs, sn,
+                  fly);
 }
 
-template <typename T>
+template <typename T, int U>
 __global__ void __launch_bounds__(kFlatThreads)
     rope_flat_kernel(const __grid_constant__ RopeParams p, const int vpr_log2,
-                     const long long blocks_q, const int on_the_fly) {
+                     const int on_the_fly) {
   constexpr int V = VecInfo<T>::kVec;
-  constexpr int U = kFlatPerThread;
   const int VPR = 1 << vpr_log2;
-  FlatIdx ix[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-    ix[u] = flat_index(p, vpr_log2, blocks_q, blockIdx.x, u * kFlatThreads + threadIdx.x);
+  const FlatBlock fb = flat_block(p, vpr_log2, blockIdx.x);
+  const int t = threadIdx.x;
+  const int warp_base = t & ~31;
   wait_for_previous_grid();
-  // Positions first (they head the position -> cos/sin chain), then the data, then the rows.
-  long long pos[U];
   uint4 own[U];
-  float cs[U][V], sn[U][V];
-#pragma unroll
-  for (int u = 0; u < U; ++u) pos[u] = ix[u].valid ? load_position(p, ix[u].b, ix[u].s) : 0;
-#pragma unroll
-  for (int u = 0; u < U; ++u) own[u] = ix[u].valid ? flat_load<T>(p, ix[u]) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-    if (ix[u].valid) flat_cos_sin<T>(p, ix[u], VPR, on_the_fly != 0, pos[u], cs[u], sn[u]);
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    // Every lane takes part in the shuffles (rows are whole within a warp: VPR divides 32).
-    uint4 other;
-    other.x = __shfl_xor_sync(0xffffffffu, own[u].x, VPR / 2);
-    other.y = __shfl_xor_sync(0xffffffffu, own[u].y, VPR / 2);
-    other.z = __shfl_xor_sync(0xffffffffu, own[u].z, VPR / 2);
-    other.w = __shfl_xor_sync(0xffffffffu, own[u].w, VPR / 2);
-    if (ix[u].valid) flat_finish<T>(p, ix[u], VPR, cs[u], sn[u], own[u], other);
+    const int j = t + u * kFlatThreads;
+    own[u] = j < fb.nv ? flat_load<T>(p, fb, j) : make_uint4(0, 0, 0, 0);
+  }
+  float cs[V], sn[V];
+  flat_cos_sin<T>(p, fb, t, VPR, on_the_fly != 0, cs, sn);
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int j = t + u * kFlatThreads;
+    if (warp_base + u * kFlatThreads < fb.nv) {  // warp-uniform: the shuffles need every lane
+      uint4 other;
+      other.x = __shfl_xor_sync(0xffffffffu, own[u].x, VPR / 2);
+      other.y = __shfl_xor_sync(0xffffffffu, own[u].y, VPR / 2);
+      other.z = __shfl_xor_sync(0xffffffffu, own[u].z, VPR / 2);
+      other.w = __shfl_xor_sync(0xffffffffu, own[u].w, VPR / 2);
+      if (j < fb.nv) flat_finish<T>(p, fb, j, VPR, cs, sn, own[u], other);
+    }
   }
 }
 
@@ -662,6 +647,7 @@ bool flat_ok(const RopeParams& p, int64_t V) {
   if (p.interleaved || p.R != p.D || p.D % V != 0) return false;
   const int64_t vpr = p.D / V;
   if (vpr < 2 || vpr > 32 || (vpr & (vpr - 1)) != 0) return false;
+  if ((p.Hq > p.Hk ? p.Hq : p.Hk) * vpr > (int64_t)kFlatThreads * kFlatMaxPerThread) return false;
   if (p.Hq > 0 && (!flat_tensor_ok(p.q_stride, p.B, p.S, p.Hq, p.D) ||
                    !flat_tensor_ok(p.q_out_stride, p.B, p.S, p.Hq, p.D)))
     return false;
@@ -843,35 +829,33 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
     const int64_t VPR = p.D / V;
     int vpr_log2 = 0;
     while ((int64_t{1} << vpr_log2) < VPR) ++vpr_log2;
-    const int64_t blocks_q = (tokens * p.Hq * VPR + kFlatVectors - 1) / kFlatVectors;
-    const int64_t blocks_k = (tokens * p.Hk * VPR + kFlatVectors - 1) / kFlatVectors;
-    if (NEOX && flat_ok(p, V) && blocks_q + blocks_k <= 0x7fffffffLL &&
+    const int64_t flat_blocks = tokens * ((p.Hq > 0 ? 1 : 0) + (p.Hk > 0 ? 1 : 0));
+    if (NEOX && flat_ok(p, V) && flat_blocks <= 0x7fffffffLL &&
         (g_variant == kFlatVariant || (g_variant < 0 && !small))) {
       g_last_variant = kFlatVariant;
+      const int64_t most = (p.Hq > p.Hk ? p.Hq : p.Hk) * VPR;  // vectors of the larger tensor
 #ifdef ROPE_HOST_EMULATION
-      if (emulate) {  // warp by warp: all loads first, as the shuffles see them
-        for (long long bid = 0; bid < blocks_q + blocks_k; ++bid) {
-          for (int w = 0; w < kFlatVectors; w += 32) {  // a warp's slots: 32 consecutive
-            FlatIdx ix[32];
+      if (emulate) {  // warp by warp: a warp's loads first, as its shuffles see them
+        for (long long bid = 0; bid < flat_blocks; ++bid) {
+          const FlatBlock fb = flat_block(p, vpr_log2, bid);
+          for (int j0 = 0; j0 < fb.nv; j0 += 32) {
             uint4 own[32];
-            for (int l = 0; l < 32; ++l) {
-              ix[l] = flat_index(p, vpr_log2, blocks_q, bid, w + l);
-              own[l] = ix[l].valid ? flat_load<T>(p, ix[l]) : make_uint4(0, 0, 0, 0);
-            }
-            for (int l = 0; l < 32; ++l) {
-              if (!ix[l].valid) continue;
+            for (int l = 0; l < 32; ++l)
+              own[l] = j0 + l < fb.nv ? flat_load<T>(p, fb, j0 + l) : make_uint4(0, 0, 0, 0);
+            for (int l = 0; l < 32 && j0 + l < fb.nv; ++l) {
               float cs[V], sn[V];
-              flat_cos_sin<T>(p, ix[l], (int)VPR, fly != 0, load_position(p, ix[l].b, ix[l].s),
-                              cs, sn);
-              flat_finish<T>(p, ix[l], (int)VPR, cs, sn, own[l], own[l ^ (int)(VPR / 2)]);
+              flat_cos_sin<T>(p, fb, j0 + l, (int)VPR, fly != 0, cs, sn);
+              flat_finish<T>(p, fb, j0 + l, (int)VPR, cs, sn, own[l], own[l ^ (int)(VPR / 2)]);
             }
           }
         }
         return cudaSuccess;
       }
 #endif
-      err = launch_kernel(rope_flat_kernel<T>, blocks_q + blocks_k, kFlatThreads, pdl, stream, p,
-                          vpr_log2, (long long)blocks_q, fly);
+      const int u = (int)((most + kFlatThreads - 1) / kFlatThreads);
+      auto* kernel = u <= 1 ? rope_flat_kernel<T, 1> : u <= 2 ? rope_flat_kernel<T, 2>
+                   : u <= 4 ? rope_flat_kernel<T, 4> : rope_flat_kernel<T, 8>;
+      err = launch_kernel(kernel, flat_blocks, kFlatThreads, pdl, stream, p, vpr_log2, fly);
       return err != cudaSuccess ? err : cudaGetLastError();
     }
     // One head per thread: the ROUNDS/1 kernel (fewest registers); else the configured variant.

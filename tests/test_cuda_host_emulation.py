@@ -237,7 +237,8 @@ def test_variant_selection(lib):
         assert lib.rope_last_variant() == -1
         # not decode-sized (more tokens, one SM): the flat kernel, which this shape fits
         qb = torch.randn(2, 200, 6, 64).to(torch.bfloat16)
-        p = params(q=qb, k=None, q_out=torch.empty_like(qb), k_out=None, layout="bshd",
+        qb_out = torch.empty_like(qb)  # kept alive: params holds raw pointers
+        p = params(q=qb, k=None, q_out=qb_out, k_out=None, layout="bshd",
                    rotary_dim=64, interleaved=False, inplace=False, cos=cos, sin=cos)
         assert lib.rope_host_emulate(ctypes.byref(p), 1) == 0
         assert lib.rope_last_variant() == -3
