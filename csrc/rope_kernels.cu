@@ -535,129 +535,6 @@ __global__ void __launch_bounds__(kMaxThreads)
 }
 
 // ------------------------------------------------------------------------------------------------
-// Flat path (NeoX, full rotary R == D, every tensor's heads packed as contiguous rows of D elements:
-// [tokens, H, D] with token stride H * D; a row of VPR = D / V vectors, VPR a power of two <= 32).
-// One block of 128 threads per (token, q or k): the block reads and writes the token's contiguous
-// H * D elements like a copy kernel's block; thread t owns vector c = t % VPR of rows t / VPR,
-// t / VPR + 128 / VPR, ... (so one position and one cos/sin chunk per thread), and takes the other
-// half of its pairs from lane ^ VPR/2 by shuffles. Plain loads and stores.
-// Why (H200, benchmarks/h200-2026-12-01e/flat_probe_*.txt): copy kernels with ld.global.cs or
-// more than ~8 KB per block lose 3-6 % to the driver's copy; this shape, probed, did 1.03 x copy
-// on W4's forward where the heads-per-thread kernels did 1.06. (A thread per 1-2 vectors over
-// the whole tensor, with its own index math, position and cos/sin loads per vector, was 1.6 x
-// slower: issue-bound.)
-constexpr int kFlatThreads = 128;
-constexpr int kFlatMaxPerThread = 8;  // vectors per thread: H * VPR <= 1024
-constexpr int kFlatVariant = -3;      // rope_last_variant() / rope_set_config() code of this path
-
-struct FlatBlock {
-  bool isq;
-  int nv;  // vectors of this token in this tensor: H * VPR
-  long long tok, b, s;
-};
-
-ROPE_HD FlatBlock flat_block(const RopeParams& p, const int vpr_log2, const long long bid) {
-  FlatBlock r;
-  const bool both = p.Hq > 0 && p.Hk > 0;
-  r.isq = both ? (bid & 1) == 0 : p.Hq > 0;
-  r.tok = both ? bid >> 1 : bid;
-  r.nv = (int)((r.isq ? p.Hq : p.Hk) << vpr_log2);
-  r.b = r.tok / p.S;
-  r.s = r.tok - r.b * p.S;
-  return r;
-}
-
-template <typename T>
-ROPE_HD uint4 flat_load(const RopeParams& p, const FlatBlock& fb, const int j) {
-  constexpr int V = VecInfo<T>::kVec;
-  const T* src = static_cast<const T*>(fb.isq ? p.q : p.k) + (fb.tok * fb.nv + j) * V;
-  return ld_data<HINT_PLAIN>(src);
-}
-
-// own: vector j of the token; other: vector j ^ VPR/2 (the other halves of the same pairs).
-template <typename T>
-ROPE_HD void flat_finish(const RopeParams& p, const FlatBlock& fb, const int j, const int VPR,
-                         const float* cs, const float* sn, const uint4& own, const uint4& other) {
-  constexpr int V = VecInfo<T>::kVec;
-  float x[V], y[V], o[V];
-  unpack16<T>(own, x);
-  unpack16<T>(other, y);
-  if ((j & (VPR - 1)) < VPR / 2) {  // first half: x' = x cos - y sin
-#pragma unroll
-    for (int i = 0; i < V; ++i) o[i] = fmaf(x[i], cs[i], -y[i] * sn[i]);
-  } else {  // second half (own = y, other = x): y' = y cos + x sin
-#pragma unroll
-    for (int i = 0; i < V; ++i) o[i] = fmaf(x[i], cs[i], y[i] * sn[i]);
-  }
-  T* dst = static_cast<T*>(fb.isq ? p.q_out : p.k_out) + (fb.tok * fb.nv + j) * V;
-  st_data<HINT_PLAIN>(dst, pack16<T>(o));
-}
-
-template <typename T>
-ROPE_HD void flat_cos_sin(const RopeParams& p, const FlatBlock& fb, const int c, const int VPR,
-                          const bool fly, float* cs, float* sn) {
-  constexpr int V = VecInfo<T>::kVec;
-  load_cos_sin<V>(p, load_position(p, fb.b, fb.s), (long long)(c & (VPR / 2 - 1)) * V, cs, sn,
-                  fly);
-}
-
-template <typename T, int U>
-__global__ void __launch_bounds__(kFlatThreads)
-    rope_flat_kernel(const __grid_constant__ RopeParams p, const int vpr_log2,
-                     const int on_the_fly) {
-  constexpr int V = VecInfo<T>::kVec;
-  const int VPR = 1 << vpr_log2;
-  const FlatBlock fb = flat_block(p, vpr_log2, blockIdx.x);
-  const int t = threadIdx.x;
-  const int warp_base = t & ~31;
-  wait_for_previous_grid();
-  uint4 own[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int j = t + u * kFlatThreads;
-    own[u] = j < fb.nv ? flat_load<T>(p, fb, j) : make_uint4(0, 0, 0, 0);
-  }
-  float cs[V], sn[V];
-  flat_cos_sin<T>(p, fb, t, VPR, on_the_fly != 0, cs, sn);
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int j = t + u * kFlatThreads;
-    if (warp_base + u * kFlatThreads < fb.nv) {  // warp-uniform: the shuffles need every lane
-      uint4 other;
-      other.x = __shfl_xor_sync(0xffffffffu, own[u].x, VPR / 2);
-      other.y = __shfl_xor_sync(0xffffffffu, own[u].y, VPR / 2);
-      other.z = __shfl_xor_sync(0xffffffffu, own[u].z, VPR / 2);
-      other.w = __shfl_xor_sync(0xffffffffu, own[u].w, VPR / 2);
-      if (j < fb.nv) flat_finish<T>(p, fb, j, VPR, cs, sn, own[u], other);
-    }
-  }
-}
-
-// Whether the flat path applies: NeoX, R == D, D / V a power of two <= 32, and q, q_out, k, k_out
-// each [B, S, H, D] with rows packed (stride D per head, H * D per token, S * H * D per batch).
-inline bool flat_tensor_ok(const int64_t* st, int64_t B, int64_t S, int64_t H, int64_t D) {
-  if (st[3] != 1) return false;
-  if (H > 1 && st[2] != D) return false;
-  if (S > 1 && st[1] != H * D) return false;
-  if (B > 1 && st[0] != S * H * D) return false;
-  return true;
-}
-
-bool flat_ok(const RopeParams& p, int64_t V) {
-  if (p.interleaved || p.R != p.D || p.D % V != 0) return false;
-  const int64_t vpr = p.D / V;
-  if (vpr < 2 || vpr > 32 || (vpr & (vpr - 1)) != 0) return false;
-  if ((p.Hq > p.Hk ? p.Hq : p.Hk) * vpr > (int64_t)kFlatThreads * kFlatMaxPerThread) return false;
-  if (p.Hq > 0 && (!flat_tensor_ok(p.q_stride, p.B, p.S, p.Hq, p.D) ||
-                   !flat_tensor_ok(p.q_out_stride, p.B, p.S, p.Hq, p.D)))
-    return false;
-  if (p.Hk > 0 && (!flat_tensor_ok(p.k_stride, p.B, p.S, p.Hk, p.D) ||
-                   !flat_tensor_ok(p.k_out_stride, p.B, p.S, p.Hk, p.D)))
-    return false;
-  return true;
-}
-
-// ------------------------------------------------------------------------------------------------
 // Generic path: any strides (including head_dim stride != 1), any even R, any D, no alignment.
 // One item per pair (j < R/2) or per pass-through element; grid-stride loop, 64-bit indices.
 template <typename T, bool NEOX>
@@ -824,40 +701,6 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
     const int64_t blocks = (total + threads - 1) / threads;
     if (CT > (1 << 30) || hl > (1 << 30) || blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
     const int fly = cfg.rows_on_the_fly != 0 ? 1 : 0;
-    // The flat path for calls it fits that are not decode-sized (those keep their tuned kernel),
-    // unless a benchmark forces a variant; rope_set_config(kFlatVariant, ...) forces it.
-    const int64_t VPR = p.D / V;
-    int vpr_log2 = 0;
-    while ((int64_t{1} << vpr_log2) < VPR) ++vpr_log2;
-    const int64_t flat_blocks = tokens * ((p.Hq > 0 ? 1 : 0) + (p.Hk > 0 ? 1 : 0));
-    if (NEOX && flat_ok(p, V) && flat_blocks <= 0x7fffffffLL &&
-        (g_variant == kFlatVariant || (g_variant < 0 && !small))) {
-      g_last_variant = kFlatVariant;
-      const int64_t most = (p.Hq > p.Hk ? p.Hq : p.Hk) * VPR;  // vectors of the larger tensor
-#ifdef ROPE_HOST_EMULATION
-      if (emulate) {  // warp by warp: a warp's loads first, as its shuffles see them
-        for (long long bid = 0; bid < flat_blocks; ++bid) {
-          const FlatBlock fb = flat_block(p, vpr_log2, bid);
-          for (int j0 = 0; j0 < fb.nv; j0 += 32) {
-            uint4 own[32];
-            for (int l = 0; l < 32; ++l)
-              own[l] = j0 + l < fb.nv ? flat_load<T>(p, fb, j0 + l) : make_uint4(0, 0, 0, 0);
-            for (int l = 0; l < 32 && j0 + l < fb.nv; ++l) {
-              float cs[V], sn[V];
-              flat_cos_sin<T>(p, fb, j0 + l, (int)VPR, fly != 0, cs, sn);
-              flat_finish<T>(p, fb, j0 + l, (int)VPR, cs, sn, own[l], own[l ^ (int)(VPR / 2)]);
-            }
-          }
-        }
-        return cudaSuccess;
-      }
-#endif
-      const int u = (int)((most + kFlatThreads - 1) / kFlatThreads);
-      auto* kernel = u <= 1 ? rope_flat_kernel<T, 1> : u <= 2 ? rope_flat_kernel<T, 2>
-                   : u <= 4 ? rope_flat_kernel<T, 4> : rope_flat_kernel<T, 8>;
-      err = launch_kernel(kernel, flat_blocks, kFlatThreads, pdl, stream, p, vpr_log2, fly);
-      return err != cudaSuccess ? err : cudaGetLastError();
-    }
     // One head per thread: the ROUNDS/1 kernel (fewest registers); else the configured variant.
     const int v = hl >= Ht ? -1 : cfg.variant;
     g_last_variant = v;
@@ -972,9 +815,7 @@ extern "C" void rope_set_tuning(int max_heads_per_thread, int min_threads_per_sm
 
 extern "C" void rope_set_config(int variant, int max_heads_per_thread, int min_threads_per_sm) {
   rope_ops_cuda::g_variant =
-      (variant >= 0 && variant < rope_ops_cuda::kNumVariants) || variant == rope_ops_cuda::kFlatVariant
-          ? variant
-          : -1;
+      variant >= 0 && variant < rope_ops_cuda::kNumVariants ? variant : -1;
   rope_ops_cuda::g_max_heads_per_thread = max_heads_per_thread >= 1 ? max_heads_per_thread : -1;
   rope_ops_cuda::g_min_threads_per_sm = min_threads_per_sm >= 1 ? min_threads_per_sm : -1;
 }
@@ -988,7 +829,6 @@ extern "C" void rope_set_launch(int block_threads, int rows_on_the_fly, int pdl)
 extern "C" int rope_num_variants(void) { return rope_ops_cuda::kNumVariants; }
 
 extern "C" const char* rope_variant_name(int variant) {
-  if (variant == rope_ops_cuda::kFlatVariant) return "flat (a vector per thread, shuffles)";
   if (variant < 0 || variant >= rope_ops_cuda::kNumVariants) return "rounds1/ld.cs (one head per thread)";
   return rope_ops_cuda::kVariants[variant].name;
 }

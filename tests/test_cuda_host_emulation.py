@@ -23,7 +23,6 @@ from _cuda_tools import find_nvcc
 import pytest
 import torch
 
-import rope_ops
 from rope_ops.backend import LAYOUT_DIMS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,9 +136,8 @@ def check_tool():
 
 
 class EmulatedBackend:
-    def __init__(self, so, num_sms=132):  # an H200's SM count
+    def __init__(self, so):
         self.so = so
-        self.num_sms = num_sms
 
     def run(self, a):
         made = None
@@ -151,7 +149,7 @@ class EmulatedBackend:
                    cos=a.cos, sin=a.sin, pos=a.pos, pos_offset=a.pos_offset,
                    freq_turns=a.freq_turns, attention_factor=a.attention_factor,
                    inverse=a.inverse)
-        rc = self.so.rope_host_emulate(ctypes.byref(p), self.num_sms)
+        rc = self.so.rope_host_emulate(ctypes.byref(p), 132)  # an H200's SM count
         if rc != 0:
             raise RuntimeError(f"rope_host_emulate returned {rc}")
         return made
@@ -188,10 +186,6 @@ def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_t
         def num_variants():
             return lib.rope_num_variants()
 
-        @staticmethod
-        def last_variant():
-            return lib.rope_last_variant()
-
     used = set()
     backend = EmulatedBackend(lib)
     plain_run = backend.run
@@ -212,8 +206,8 @@ def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_t
     assert not rn.failures, "\n".join(rn.failures[:20])
     paths = list(rn.paths.values())
     assert paths.count(1) > 150 and paths.count(2) > 50, (paths.count(1), paths.count(2))
-    # every fast-kernel variant, the one-head-per-thread kernel (-1) and the flat kernel (-3) ran
-    assert used >= {-3} | set(range(-1, lib.rope_num_variants())), sorted(used)
+    # every fast-kernel variant (and the one-head-per-thread kernel, -1) ran
+    assert used >= set(range(-1, lib.rope_num_variants())), sorted(used)
 
 
 def test_variant_selection(lib):
@@ -235,14 +229,6 @@ def test_variant_selection(lib):
         lib.rope_set_config(-1, -1, -1)  # decode-sized call with the defaults: one head per thread
         assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
         assert lib.rope_last_variant() == -1
-        # not decode-sized (more tokens, one SM): the flat kernel, which this shape fits
-        qb = torch.randn(2, 200, 6, 64).to(torch.bfloat16)
-        qb_out = torch.empty_like(qb)  # kept alive: params holds raw pointers
-        p = params(q=qb, k=None, q_out=qb_out, k_out=None, layout="bshd",
-                   rotary_dim=64, interleaved=False, inplace=False, cos=cos, sin=cos)
-        assert lib.rope_host_emulate(ctypes.byref(p), 1) == 0
-        assert lib.rope_last_variant() == -3
-        assert b"flat" in lib.rope_variant_name(-3)
     finally:
         lib.rope_set_config(-1, -1, -1)
 
@@ -288,38 +274,3 @@ def test_misaligned_freq_turns_take_the_generic_path(lib):
     storage2 = freq_turns_of(inv).clone()  # aligned: the fast path
     p.freq_turns = storage2.data_ptr()
     assert lib.rope_pick_path(ctypes.byref(p)) == 1
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [8, 16, 32, 64, 128, 256])
-@pytest.mark.parametrize("inplace,inverse", [(False, False), (True, True)])
-def test_flat_kernel_matches_heads_per_thread_kernel(lib, dtype, head_dim, inplace, inverse):
-    """The flat kernel (a vector per thread, pair halves by shuffles; emulated warp by warp) gives
-    the bits of the heads-per-thread kernel, positions beyond the table included (computed from
-    freq_turns); shapes it does not fit (fp32 rows of more than 32 vectors) take the other."""
-    gen = torch.Generator().manual_seed(head_dim)
-    q = torch.randn(3, 11, 5, head_dim, generator=gen).to(dtype)
-    k = torch.randn(3, 11, 2, head_dim, generator=gen).to(dtype)
-    rows = 16
-    rope = rope_ops.RotaryEmbedding(head_dim, max_position=rows)
-    cos, sin, freq_turns = rope.tables(torch.device("cpu"))
-    pos = torch.randint(0, 3 * rows, (3, 11), generator=gen)  # two thirds beyond the table
-    outs = {}
-    for variant in (-3, 4):
-        qi, ki = q.clone(), k.clone()
-        qo, ko = (qi, ki) if inplace else (torch.empty_like(q), torch.empty_like(k))
-        p = params(q=qi, k=ki, q_out=qo, k_out=ko, layout="bshd", rotary_dim=head_dim,
-                   interleaved=False, inplace=inplace, cos=cos, sin=sin, pos=pos,
-                   freq_turns=freq_turns, inverse=inverse)
-        lib.rope_set_config(variant, 3, 1)
-        try:
-            assert lib.rope_host_emulate(ctypes.byref(p), 1) == 0
-            outs[variant] = (qo, ko, lib.rope_last_variant())
-        finally:
-            lib.rope_set_config(-1, -1, -1)
-    vpr = head_dim * q.element_size() // 16
-    fits = 2 <= vpr <= 32
-    assert (outs[-3][2] == -3) == fits
-    assert outs[4][2] == 4
-    assert torch.equal(outs[-3][0], outs[4][0]) and torch.equal(outs[-3][1], outs[4][1])
-    assert not torch.equal(outs[-3][0], q)  # it did rotate

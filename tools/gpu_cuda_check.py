@@ -352,38 +352,6 @@ def accuracy(rn: Runner):
                                  expect_path=1, seed=9)
             finally:
                 rn.cb.set_config(-1, -1, -1)  # the per-class defaults
-    # The flat kernel (NeoX, full rotary, rows packed as [tokens, H, D]; by default only for calls
-    # that are not decode-sized) forced on every size: head_dim 16..256, in place and out,
-    # backward, positions beyond the table, caller tables, offsets, GQA and q only. Packed QKV
-    # views, strided outputs, partial rotary and GPT-J pairs must take the other kernels.
-    if hasattr(rn.cb, "last_variant"):
-        rn.cb.set_config(FLAT_VARIANT, -1, -1)
-        print("  -- flat kernel forced (rope_set_config(-3, ...))")
-        ran = {True: 0, False: 0}
-        try:
-            for dtype in dtypes:
-                for D in (16, 32, 64, 128, 256):
-                    for seed, (layout, Hq, Hk, inplace, inverse, extra) in enumerate((
-                            ("bshd", 5, 3, False, False, {}),
-                            ("thd", 4, 2, True, True, dict(pdtype=torch.int32)),
-                            ("bshd", 3, 1, False, True, dict(caller_tables=True, B=3, S=5)),
-                            ("sbhd", 2, 2, False, False, dict(B=1, pos_kind="offset")),
-                            ("thd", 1, 0, False, False, dict(m=0.75)))):
-                        run_case(rn, dtype=dtype, style="neox", layout=layout, D=D, r=D, Hq=Hq,
-                                 Hk=Hk, inplace=inplace, inverse=inverse, expect_path=1,
-                                 seed=20 + seed, **extra)
-                        ran[True] += rn.cb.last_variant() == FLAT_VARIANT
-                for style, r, kw in (("neox", 128, dict(kind="packed")),
-                                     ("neox", 128, dict(strided_out=True)),
-                                     ("neox", 64, {}), ("gptj", 128, {})):
-                    run_case(rn, dtype=dtype, style=style, layout="bshd", D=128, r=r, Hq=4, Hk=2,
-                             inplace=False, inverse=False, expect_path=1, seed=30, **kw)
-                    ran[False] += rn.cb.last_variant() == FLAT_VARIANT
-        finally:
-            rn.cb.set_config(-1, -1, -1)
-        if ran[True] == 0 or ran[False] != 0:
-            rn.failures.append(f"flat kernel: ran on {ran[True]} eligible cases (want > 0) and on "
-                               f"{ran[False]} ineligible ones (want 0)")
     # Every cos/sin row computed from freq_turns (the rows_on_the_fly knob, off in every class)
     # with blocks of 96 threads: the same cases must stay within SPEC's bound of the reference.
     if hasattr(rn.cb, "set_launch"):
@@ -883,7 +851,6 @@ def class_key(w):
     return f"{many}{'small' if small else 'large'} {'in ' if w['inplace'] else 'out'} {w['style']}"
 
 
-FLAT_VARIANT = -3  # rope_set_config / rope_last_variant code of the flat kernel
 SWEEP_VARIANTS: list[int] = []  # --variants: sweep only these (default: all)
 
 
