@@ -711,7 +711,8 @@ def build_sets(w, cos, sin, ft, nsets, gen):
     return sets
 
 
-def perf(rn: Runner, sweep: bool, strict: bool, only: str | None = None, wide: bool = False):
+def perf(rn: Runner, sweep: bool, strict: bool, only: str | None = None, wide: bool = False,
+         variants: list[int] | None = None):
     print("\n== timing (CUDA graphs, rotating input sets, bf16, table of 131072 rows)")
     cb = rn.cb
     bw = copy_bandwidth()
@@ -766,7 +767,7 @@ def perf(rn: Runner, sweep: bool, strict: bool, only: str | None = None, wide: b
                 verify = make_verify(sets, run, w["inplace"])
                 key = class_key(w)
                 best, bt, wrong = tuning_sweep(cb, calls, reps, t, verify, "small" in key,
-                                               wide)
+                                               variants=variants, wide=wide)
                 winners.append((name, key, t, bt))
                 if wrong:  # an accuracy failure, not a perf miss
                     msg = f"{name}: configs whose outputs differ from the default's: {wrong}"
@@ -851,12 +852,9 @@ def class_key(w):
     return f"{many}{'small' if small else 'large'} {'in ' if w['inplace'] else 'out'} {w['style']}"
 
 
-SWEEP_VARIANTS: list[int] = []  # --variants: sweep only these (default: all)
-
-
-def sweep_configs(cb, small):
+def sweep_configs(cb, small, variants=None):
     """(variant, max_heads_per_thread, min_threads_per_sm, block_threads, rows_on_the_fly, pdl)
-    to time; -1: the class default (pdl -1: on)."""
+    to time; -1: the class default (pdl -1: on). ``variants``: only these (default: all)."""
     cfgs = []
     if small:  # decode-sized: block size x heads per thread x table or on-the-fly rows x PDL
         for pdl in (0, 1):
@@ -868,7 +866,7 @@ def sweep_configs(cb, small):
         return cfgs
     # one head per thread (the ROUNDS/1 kernel whatever the variant)
     cfgs.append((-1, 1, 4096, -1, -1, -1))
-    for v in SWEEP_VARIANTS or range(num_variants(cb)):  # 9 per variant: ~8 s per workload
+    for v in variants or range(num_variants(cb)):  # 9 per variant: ~8 s per workload
         cfgs.append((v, 8, 4096, -1, -1, -1))
         for mh in (2, 4, 8, 16):
             for mt in (2048, 8192):
@@ -893,7 +891,7 @@ def snapshot_outputs(args_list):
     return [t.clone() for t in args_list if t is not None]
 
 
-def tuning_sweep(cb, calls, reps, baseline, verify, small, wide=False):
+def tuning_sweep(cb, calls, reps, baseline, verify, small, variants=None, wide=False):
     """Times every config; `verify()` returns False when a config's outputs differ (bitwise) from
     the default config's. Returns (summary line, best (t, v, mh, mt, bt, fly, pdl), wrong
     configs)."""
@@ -916,7 +914,7 @@ def tuning_sweep(cb, calls, reps, baseline, verify, small, wide=False):
                 cb.set_config(-1, -1, -1)  # per-class defaults
                 cb.set_launch(-1, -1, -1)
 
-    time_configs(wide_configs() if wide and not small else sweep_configs(cb, small))
+    time_configs(wide_configs() if wide and not small else sweep_configs(cb, small, variants))
     if not small and results:
         time_configs(refine_configs(min(results)[1:]))
     results.sort()
@@ -1039,8 +1037,6 @@ def main() -> int:
                     help="with --sweep: only these kernel variants (comma list: 4,6,7)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every passing case")
     a = ap.parse_args()
-    if a.variants:
-        SWEEP_VARIANTS[:] = [int(v) for v in a.variants.split(",")]
     t_start = time.time()
     if not torch.cuda.is_available():
         print("no CUDA device: this script needs a GPU")
@@ -1065,7 +1061,8 @@ def main() -> int:
         print(f"kernel paths taken: fast {paths.count(1)}, generic {paths.count(2)}")
     perf_fail = []
     if not a.no_perf:
-        perf_fail = perf(rn, a.sweep, a.strict_perf, a.only, a.wide)
+        perf_fail = perf(rn, a.sweep, a.strict_perf, a.only, a.wide,
+                         [int(v) for v in a.variants.split(",")] if a.variants else None)
     print(f"\ntotal {time.time() - t_start:.0f} s")
     if rn.failures or perf_fail:
         print(f"FAILED: {len(rn.failures)} accuracy problems, {len(perf_fail)} perf misses")
