@@ -10,6 +10,9 @@
 
 #include <stdint.h>
 #include <string.h>
+#ifdef ROPE_HOST_EMULATION
+#include <new>
+#endif
 
 // Every per-thread function is __host__ __device__: the kernels are thin loops around them, and
 // `-DROPE_HOST_EMULATION` adds rope_host_emulate(), which runs the very same per-thread code on
@@ -535,6 +538,183 @@ __global__ void __launch_bounds__(kMaxThreads)
 }
 
 // ------------------------------------------------------------------------------------------------
+// Flat path: one block of kFlatThreads threads per (token, q or k). It needs each tensor's rows of
+// a token to be contiguous (head stride D, or one head) and rows of VPR = D / V vectors with VPR
+// a power of two <= 32, so that a row lies within one warp. The block then reads and writes the
+// token's H * D contiguous elements like a copy kernel's block. Thread t owns vector
+// c = t % VPR of rows t / VPR, t / VPR + kFlatThreads / VPR, ... (up to kFlatMaxVectors rows), so
+// it loads one position and one cos/sin chunk. NeoX takes the other halves of its pairs from the
+// lane R / (2V) away by a shuffle; GPT-J pairs lie within a vector. Plain loads and stores.
+// Why (H200, benchmarks/h200-2026-12-01e/, tools/kernel_probe.py): a copy kernel reaches the
+// driver copy's speed with ~4 KB per block and plain loads, and loses 3-6 % with ld.global.cs or
+// 8-16 KB per block (the heads-per-thread kernels above move 24 KB per block with ld.global.cs).
+constexpr int kFlatThreads = 128;
+constexpr int kFlatMaxVectors = 8;          // vectors per thread: H * VPR <= 1024 per tensor
+constexpr int kFlatVariant = kNumVariants;  // its rope_set_config / rope_last_variant code
+constexpr int kFlatFallbackVariant = 4;     // forced flat on a call it cannot take
+
+struct FlatShape {
+  int vpr_log2;  // log2 of the vectors per row (D / V)
+  int rot;       // rotary vectors per row: R / V
+  int copy;      // 1: copy the pass-through vectors (out of place)
+  int both;      // q and k present: even blocks do q, odd blocks k
+  int tok32;     // B * S and S fit in 31 bits: 32-bit token decomposition
+};
+
+template <typename T, bool NEOX>
+struct FlatThread {
+  static constexpr int V = VecInfo<T>::kVec;
+  static constexpr int NC = NEOX ? V : V / 2;  // cos/sin floats per vector
+  const T* src;  // the token's first row of this tensor
+  T* dst;
+  int nv;    // vectors of the token in this tensor: H * VPR
+  int c;     // this thread's vector within every row it visits
+  int half;  // NeoX: lanes between the two halves of a pair (R / 2V)
+  bool rot, active;
+  long long pos;
+  float cs[NC], sn[NC];
+
+  ROPE_HD FlatThread(const RopeParams& p, const FlatShape& f, const long long bid, const int t) {
+    const bool isq = f.both ? (bid & 1) == 0 : p.Hq > 0;
+    const long long tok = f.both ? bid >> 1 : bid;
+    long long b, s;
+    if (f.tok32) {  // 32-bit division: ~20 SASS instructions instead of ~70
+      const uint32_t tk = (uint32_t)tok;
+      const uint32_t bb = tk / (uint32_t)p.S;
+      b = bb;
+      s = tk - bb * (uint32_t)p.S;
+    } else {
+      b = tok / p.S;
+      s = tok - b * p.S;
+    }
+    nv = (int)(isq ? p.Hq : p.Hk) << f.vpr_log2;
+    c = t & ((1 << f.vpr_log2) - 1);
+    half = f.rot >> 1;
+    rot = c < f.rot;
+    active = rot || f.copy != 0;
+    const int64_t* st = isq ? p.q_stride : p.k_stride;
+    const int64_t* ost = isq ? p.q_out_stride : p.k_out_stride;
+    src = static_cast<const T*>(isq ? p.q : p.k) + b * st[0] + s * st[1];
+    dst = static_cast<T*>(isq ? p.q_out : p.k_out) + b * ost[0] + s * ost[1];
+    wait_for_previous_grid();  // the index math above overlaps the previous kernel's tail (PDL)
+    pos = rot ? load_position(p, b, s) : 0;  // heads the position -> cos/sin chain: issue first
+  }
+
+  ROPE_HD bool has(const int j) const { return active && j < nv; }
+  ROPE_HD uint4 load(const int j) const { return ld_data<HINT_PLAIN>(src + (long long)j * V); }
+
+  // After the data loads, so that they are in flight while the position arrives.
+  ROPE_HD void load_cs(const RopeParams& p, const bool fly) {
+    if (!rot) return;
+    const int chunk = NEOX ? (c < half ? c : c - half) : c;
+    load_cos_sin<NC>(p, pos, (long long)chunk * NC, cs, sn, fly);
+    if (NEOX && c < half) {  // first half: x' = x c - y s; second half: y' = y c + x s
+#pragma unroll
+      for (int i = 0; i < NC; ++i) sn[i] = -sn[i];
+    }
+  }
+
+  // The lane holding the other halves of this lane's NeoX pairs (rows are whole in a warp).
+  ROPE_HD int partner(const int lane) const { return c < half ? lane + half : lane - half; }
+
+  // own: this thread's vector j; other: the partner lane's vector (NeoX only).
+  ROPE_HD void finish(const int j, const uint4& own, const uint4& other) const {
+    T* out = dst + (long long)j * V;
+    if (!rot) {
+      st_data<HINT_PLAIN>(out, own);
+      return;
+    }
+    float x[V], o[V];
+    unpack16<T>(own, x);
+    if constexpr (NEOX) {
+      float y[V];
+      unpack16<T>(other, y);
+#pragma unroll
+      for (int i = 0; i < V; ++i) o[i] = fmaf(x[i], cs[i], y[i] * sn[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < V / 2; ++i) {
+        o[2 * i] = fmaf(x[2 * i], cs[i], -x[2 * i + 1] * sn[i]);
+        o[2 * i + 1] = fmaf(x[2 * i + 1], cs[i], x[2 * i] * sn[i]);
+      }
+    }
+    st_data<HINT_PLAIN>(out, pack16<T>(o));
+  }
+};
+
+template <typename T, bool NEOX, int U>
+__global__ void __launch_bounds__(kFlatThreads)
+    rope_flat_kernel(const __grid_constant__ RopeParams p, const FlatShape f, const int on_the_fly) {
+  const int t = threadIdx.x;
+  FlatThread<T, NEOX> th(p, f, blockIdx.x, t);
+  uint4 v[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int j = t + u * kFlatThreads;
+    v[u] = th.has(j) ? th.load(j) : make_uint4(0, 0, 0, 0);
+  }
+  th.load_cs(p, on_the_fly != 0);
+  const int lane = t & 31;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int j = t + u * kFlatThreads;
+    if ((t & ~31) + u * kFlatThreads >= th.nv) break;  // warp-uniform: shuffles need every lane
+    uint4 other = v[u];
+    if constexpr (NEOX) {
+      const int from = th.partner(lane);
+      other.x = __shfl_sync(0xffffffffu, v[u].x, from);
+      other.y = __shfl_sync(0xffffffffu, v[u].y, from);
+      other.z = __shfl_sync(0xffffffffu, v[u].z, from);
+      other.w = __shfl_sync(0xffffffffu, v[u].w, from);
+    }
+    if (th.has(j)) th.finish(j, v[u], other);
+  }
+}
+
+// Whether the flat path can take p (already known to suit the fast path): see above.
+inline bool flat_tensor_ok(const int64_t* st, int64_t H, int64_t D) { return H <= 1 || st[2] == D; }
+
+bool flat_ok(const RopeParams& p, int64_t V) {
+  if (p.D % V != 0) return false;
+  const int64_t vpr = p.D / V;
+  if (vpr > 32 || (vpr & (vpr - 1)) != 0) return false;
+  if ((p.Hq > p.Hk ? p.Hq : p.Hk) * vpr > (int64_t)kFlatThreads * kFlatMaxVectors) return false;
+  if (p.Hq > 0 && (!flat_tensor_ok(p.q_stride, p.Hq, p.D) || !flat_tensor_ok(p.q_out_stride, p.Hq, p.D)))
+    return false;
+  if (p.Hk > 0 && (!flat_tensor_ok(p.k_stride, p.Hk, p.D) || !flat_tensor_ok(p.k_out_stride, p.Hk, p.D)))
+    return false;
+  return p.B * p.S * 2 <= 0x7fffffffLL;  // blocks
+}
+
+#ifdef ROPE_HOST_EMULATION
+// The flat kernel on the host: warp by warp, every lane's loads before any lane's shuffle.
+template <typename T, bool NEOX>
+void flat_emulate(const RopeParams& p, const FlatShape& f, const long long blocks, const bool fly) {
+  for (long long bid = 0; bid < blocks; ++bid) {
+    for (int w = 0; w < kFlatThreads; w += 32) {
+      FlatThread<T, NEOX>* th[32];
+      alignas(FlatThread<T, NEOX>) unsigned char store[32][sizeof(FlatThread<T, NEOX>)];
+      for (int l = 0; l < 32; ++l) {
+        th[l] = new (store[l]) FlatThread<T, NEOX>(p, f, bid, w + l);
+        th[l]->load_cs(p, fly);
+      }
+      for (int u = 0; u < kFlatMaxVectors; ++u) {
+        uint4 v[32];
+        for (int l = 0; l < 32; ++l) {
+          const int j = w + l + u * kFlatThreads;
+          v[l] = th[l]->has(j) ? th[l]->load(j) : make_uint4(0, 0, 0, 0);
+        }
+        for (int l = 0; l < 32; ++l) {
+          const int j = w + l + u * kFlatThreads;
+          if (th[l]->has(j)) th[l]->finish(j, v[l], NEOX ? v[th[l]->partner(l)] : v[l]);
+        }
+      }
+    }
+  }
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------
 // Generic path: any strides (including head_dim stride != 1), any even R, any D, no alignment.
 // One item per pair (j < R/2) or per pass-through element; grid-stride loop, 64-bit indices.
 template <typename T, bool NEOX>
@@ -701,8 +881,31 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
     const int64_t blocks = (total + threads - 1) / threads;
     if (CT > (1 << 30) || hl > (1 << 30) || blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
     const int fly = cfg.rows_on_the_fly != 0 ? 1 : 0;
-    // One head per thread: the ROUNDS/1 kernel (fewest registers); else the configured variant.
-    const int v = hl >= Ht ? -1 : cfg.variant;
+    if (cfg.variant == kFlatVariant && flat_ok(p, V)) {
+      g_last_variant = kFlatVariant;
+      const bool both = p.Hq > 0 && p.Hk > 0;
+      const int64_t flat_blocks = tokens * (both ? 2 : 1);
+      int vpr_log2 = 0;
+      while ((int64_t{V} << vpr_log2) < p.D) ++vpr_log2;
+      const FlatShape f = {vpr_log2, (int)(p.R / V), p.copy_passthrough ? 1 : 0, both ? 1 : 0,
+                           (tokens <= 0x7fffffffLL && p.S <= 0x7fffffffLL) ? 1 : 0};
+#ifdef ROPE_HOST_EMULATION
+      if (emulate) {
+        flat_emulate<T, NEOX>(p, f, flat_blocks, fly != 0);
+        return cudaSuccess;
+      }
+#endif
+      const int64_t most = (p.Hq > p.Hk ? p.Hq : p.Hk) << vpr_log2;  // vectors per block, at most
+      const int u = (int)((most + kFlatThreads - 1) / kFlatThreads);
+      auto* kernel = u <= 1 ? rope_flat_kernel<T, NEOX, 1>
+                   : u <= 2 ? rope_flat_kernel<T, NEOX, 2>
+                   : u <= 4 ? rope_flat_kernel<T, NEOX, 4> : rope_flat_kernel<T, NEOX, 8>;
+      err = launch_kernel(kernel, flat_blocks, kFlatThreads, pdl, stream, p, f, fly);
+      return err != cudaSuccess ? err : cudaGetLastError();
+    }
+    // One head per thread: the ROUNDS/1 kernel (fewest registers); else the configured variant
+    // (a forced flat variant that cannot take the call falls back to kFlatFallbackVariant).
+    const int v = hl >= Ht ? -1 : cfg.variant == kFlatVariant ? kFlatFallbackVariant : cfg.variant;
     g_last_variant = v;
 #ifdef ROPE_HOST_EMULATION
     if (emulate) {
@@ -815,7 +1018,7 @@ extern "C" void rope_set_tuning(int max_heads_per_thread, int min_threads_per_sm
 
 extern "C" void rope_set_config(int variant, int max_heads_per_thread, int min_threads_per_sm) {
   rope_ops_cuda::g_variant =
-      variant >= 0 && variant < rope_ops_cuda::kNumVariants ? variant : -1;
+      variant >= 0 && variant <= rope_ops_cuda::kFlatVariant ? variant : -1;
   rope_ops_cuda::g_max_heads_per_thread = max_heads_per_thread >= 1 ? max_heads_per_thread : -1;
   rope_ops_cuda::g_min_threads_per_sm = min_threads_per_sm >= 1 ? min_threads_per_sm : -1;
 }
@@ -826,9 +1029,10 @@ extern "C" void rope_set_launch(int block_threads, int rows_on_the_fly, int pdl)
   rope_ops_cuda::g_pdl = pdl >= 0 ? (pdl != 0) : 1;
 }
 
-extern "C" int rope_num_variants(void) { return rope_ops_cuda::kNumVariants; }
+extern "C" int rope_num_variants(void) { return rope_ops_cuda::kFlatVariant + 1; }
 
 extern "C" const char* rope_variant_name(int variant) {
+  if (variant == rope_ops_cuda::kFlatVariant) return "flat (a block per token's q or k)";
   if (variant < 0 || variant >= rope_ops_cuda::kNumVariants) return "rounds1/ld.cs (one head per thread)";
   return rope_ops_cuda::kVariants[variant].name;
 }

@@ -5,12 +5,14 @@
 #   run(command="bash tools/gpu_run.sh setup build verify", carry=[".whl"])
 #   run(command="bash tools/gpu_run.sh setup build perf bench", carry=[".whl", ".gpu_cache"])
 #
-# Phases: setup build verify perf bench (default: all). Results and logs go to $OUT.
+# Phases: setup build verify perf bench probe (default: all but probe). Results and logs go to $OUT.
 #   verify: conformance suite on cuda and on triton, compute-sanitizer memcheck on a cuda subset,
 #           and the CUDA check's ~330 accuracy cases, all at once (correctness only: they share
 #           the GPU, so no timing is taken here).
 #   perf:   the backends' own timing checks (variants and sweeps), one after the other.
 #   bench:  python -m rope_ops bench (PERF.md workloads, same-run copy, peers), JSON + PNG.
+#   probe:  tools/kernel_probe.py on $PROBE_SOURCE (default tools/probes/flat_steps.cu) with
+#           $PROBE_ARGS: kernel variations against the library's kernels and a copy.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -74,6 +76,12 @@ fi
 if has bench; then
   step "benchmark (PERF.md workloads, same-run copy, peers)"
   timeout 500 python3 -m rope_ops bench --json "$OUT/bench.json" --png "$OUT/bench.png" --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.txt" || status=1
+fi
+if has probe; then
+  step "probe kernels (${PROBE_SOURCE:-tools/probes/flat_steps.cu})"
+  # shellcheck disable=SC2086
+  timeout 400 python3 tools/kernel_probe.py "${PROBE_SOURCE:-tools/probes/flat_steps.cu}" ${PROBE_ARGS:-} 2>&1 \
+    | tee "$OUT/probe.txt" || status=1
 fi
 echo; echo "gpu_run.sh: exit $status"
 exit $status

@@ -1,0 +1,208 @@
+// Probe set for tools/kernel_probe.py: from the fifth session's probe kernel (1.03 x copy on W4's
+// forward) to the library's flat path, one piece of generality at a time, so the piece that
+// costs time shows. Includes the library source itself, so probes 0 and 1 are the library's
+// own kernels and launch code. bf16 only; probes 2-5 only NeoX, full rotary, head_dim 128,
+// contiguous [tokens, H, 128] (they return 1, "not applicable", otherwise).
+#include "../../csrc/rope_kernels.cu"
+
+#include "kernel_probe.h"
+
+namespace flat_probe {  // named: nvcc's stubs trip over two anonymous namespaces
+using namespace rope_ops_cuda;
+using bf16 = __nv_bfloat16;
+
+RopeParams make_params(const ProbeCall& c) {
+  RopeParams p = {};
+  p.q = c.q;
+  p.k = c.k;
+  p.q_out = c.inplace ? const_cast<void*>(c.q) : c.q_out;
+  p.k_out = c.inplace ? const_cast<void*>(c.k) : c.k_out;
+  const int64_t H[2] = {c.Hq, c.Hk};
+  int64_t* st[4] = {p.q_stride, p.q_out_stride, p.k_stride, p.k_out_stride};
+  for (int i = 0; i < 4; ++i) {  // contiguous [1, tokens, H, D]
+    const int64_t h = H[i / 2];
+    st[i][0] = c.tokens * h * c.D;
+    st[i][1] = h * c.D;
+    st[i][2] = c.D;
+    st[i][3] = 1;
+  }
+  p.B = 1;
+  p.S = c.tokens;
+  p.Hq = c.Hq;
+  p.Hk = c.Hk;
+  p.D = c.D;
+  p.R = c.R;
+  p.dtype = ROPE_BF16;
+  p.interleaved = c.interleaved;
+  p.inverse = c.inverse;
+  p.copy_passthrough = c.inplace ? 0 : 1;
+  p.pos = c.pos;
+  p.pos_kind = ROPE_POS_I64;
+  p.pos_stride_b = 0;
+  p.pos_stride_s = 1;
+  p.cos_table = c.cos_t;
+  p.sin_table = c.sin_t;
+  p.table_rows = c.table_rows;
+  p.freq_turns = c.freq_turns;
+  p.attention_factor = 1.0f;
+  return p;
+}
+
+// The fifth session's probe kernel (benchmarks/h200-2026-12-01e/flat_probe.cu, flat_rope with
+// plain loads), unchanged but for taking its pointers from RopeParams.
+template <int MAXU>
+__global__ void __launch_bounds__(256) probe_kernel(const __grid_constant__ RopeParams p) {
+  wait_for_previous_grid();
+  const long long tok = blockIdx.x >> 1;
+  const bool isk = blockIdx.x & 1;
+  const int nv = (int)(isk ? p.Hk : p.Hq) * 16;
+  const uint4* src = static_cast<const uint4*>(isk ? p.k : p.q) + tok * nv;
+  uint4* dst = static_cast<uint4*>(isk ? p.k_out : p.q_out) + tok * nv;
+  const int warp_base = threadIdx.x & ~31;
+  uint4 v[MAXU];
+#pragma unroll
+  for (int u = 0; u < MAXU; ++u)
+    if (warp_base + u * (int)blockDim.x < nv) v[u] = src[threadIdx.x + u * blockDim.x];
+  const int c = threadIdx.x & 15;
+  const bool first = c < 8;
+  const long long ps = __ldg(static_cast<const long long*>(p.pos) + tok);
+  float cs[8], sn[8];
+  const float4* cp = reinterpret_cast<const float4*>(p.cos_table + ps * 64 + (c & 7) * 8);
+  const float4* sp = reinterpret_cast<const float4*>(p.sin_table + ps * 64 + (c & 7) * 8);
+  const float4 c0 = __ldg(cp), c1 = __ldg(cp + 1), s0 = __ldg(sp), s1 = __ldg(sp + 1);
+  cs[0] = c0.x; cs[1] = c0.y; cs[2] = c0.z; cs[3] = c0.w; cs[4] = c1.x; cs[5] = c1.y; cs[6] = c1.z; cs[7] = c1.w;
+  sn[0] = s0.x; sn[1] = s0.y; sn[2] = s0.z; sn[3] = s0.w; sn[4] = s1.x; sn[5] = s1.y; sn[6] = s1.z; sn[7] = s1.w;
+#pragma unroll
+  for (int u = 0; u < MAXU; ++u) {
+    if (warp_base + u * (int)blockDim.x < nv) {
+      uint4 o;
+      o.x = __shfl_xor_sync(0xffffffffu, v[u].x, 8);
+      o.y = __shfl_xor_sync(0xffffffffu, v[u].y, 8);
+      o.z = __shfl_xor_sync(0xffffffffu, v[u].z, 8);
+      o.w = __shfl_xor_sync(0xffffffffu, v[u].w, 8);
+      float x[8], y[8], r[8];
+      unpack16<bf16>(v[u], x);
+      unpack16<bf16>(o, y);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) r[i] = first ? fmaf(x[i], cs[i], -y[i] * sn[i]) : fmaf(x[i], cs[i], y[i] * sn[i]);
+      dst[threadIdx.x + u * blockDim.x] = pack16<bf16>(r);
+    }
+  }
+}
+
+// The probe kernel with the library's pieces switched on one by one (128 threads, MAXU 4..8):
+// POS: load_position(p, b, s) with a 64-bit token decomposition; CS: load_cos_sin (table bounds,
+// on-the-fly rows, inverse); BRANCH: the reverted flat kernel's if/else per half instead of a
+// select.
+enum { POS = 1, CS = 2, BRANCH = 4 };
+template <int MAXU, int STEP>
+__global__ void __launch_bounds__(128) step_kernel(const __grid_constant__ RopeParams p) {
+  const long long tok = blockIdx.x >> 1;
+  const bool isk = blockIdx.x & 1;
+  long long b = 0, s = tok;
+  if constexpr ((STEP & POS) != 0) {
+    b = tok / p.S;
+    s = tok - b * p.S;
+  }
+  wait_for_previous_grid();
+  const int nv = (int)(isk ? p.Hk : p.Hq) * 16;
+  const uint4* src = static_cast<const uint4*>(isk ? p.k : p.q) + tok * nv;
+  uint4* dst = static_cast<uint4*>(isk ? p.k_out : p.q_out) + tok * nv;
+  const int t = threadIdx.x;
+  const int warp_base = t & ~31;
+  uint4 v[MAXU];
+#pragma unroll
+  for (int u = 0; u < MAXU; ++u)
+    if (warp_base + u * 128 < nv) v[u] = src[t + u * 128];
+  const int c = t & 15;
+  const bool first = c < 8;
+  long long ps;
+  if constexpr ((STEP & POS) != 0) ps = load_position(p, b, s);
+  else ps = __ldg(static_cast<const long long*>(p.pos) + tok);
+  float cs[8], sn[8];
+  if constexpr ((STEP & CS) != 0) {
+    load_cos_sin<8>(p, ps, (long long)(c & 7) * 8, cs, sn, false);
+  } else {
+    const float4* cp = reinterpret_cast<const float4*>(p.cos_table + ps * 64 + (c & 7) * 8);
+    const float4* sp = reinterpret_cast<const float4*>(p.sin_table + ps * 64 + (c & 7) * 8);
+    const float4 c0 = __ldg(cp), c1 = __ldg(cp + 1), s0 = __ldg(sp), s1 = __ldg(sp + 1);
+    cs[0] = c0.x; cs[1] = c0.y; cs[2] = c0.z; cs[3] = c0.w; cs[4] = c1.x; cs[5] = c1.y; cs[6] = c1.z; cs[7] = c1.w;
+    sn[0] = s0.x; sn[1] = s0.y; sn[2] = s0.z; sn[3] = s0.w; sn[4] = s1.x; sn[5] = s1.y; sn[6] = s1.z; sn[7] = s1.w;
+  }
+#pragma unroll
+  for (int u = 0; u < MAXU; ++u) {
+    if (warp_base + u * 128 < nv) {
+      uint4 o;
+      o.x = __shfl_xor_sync(0xffffffffu, v[u].x, 8);
+      o.y = __shfl_xor_sync(0xffffffffu, v[u].y, 8);
+      o.z = __shfl_xor_sync(0xffffffffu, v[u].z, 8);
+      o.w = __shfl_xor_sync(0xffffffffu, v[u].w, 8);
+      float x[8], y[8], r[8];
+      unpack16<bf16>(v[u], x);
+      unpack16<bf16>(o, y);
+      if constexpr ((STEP & BRANCH) != 0) {
+        if (first) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) r[i] = fmaf(x[i], cs[i], -y[i] * sn[i]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) r[i] = fmaf(x[i], cs[i], y[i] * sn[i]);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) r[i] = first ? fmaf(x[i], cs[i], -y[i] * sn[i]) : fmaf(x[i], cs[i], y[i] * sn[i]);
+      }
+      dst[t + u * 128] = pack16<bf16>(r);
+    }
+  }
+}
+
+template <int STEP>
+int launch_step(const RopeParams& p, int u, bool pdl, cudaStream_t st) {
+  auto* k = u <= 4 ? step_kernel<4, STEP> : step_kernel<8, STEP>;
+  return (int)launch_kernel(k, p.S * 2, 128, pdl, st, p);
+}
+
+const char* kNames[] = {
+    "library default (rope_launch)",
+    "library flat (rope_set_config variant 6)",
+    "probe kernel (5th session)",
+    "steps: probe at 128 threads",
+    "steps: + load_position, 64-bit token math",
+    "steps: + load_cos_sin",
+    "steps: + if/else per half",
+};
+}  // namespace flat_probe
+using namespace flat_probe;
+
+extern "C" int probe_count(void) { return (int)(sizeof(kNames) / sizeof(kNames[0])); }
+extern "C" const char* probe_name(int i) { return i >= 0 && i < probe_count() ? kNames[i] : ""; }
+
+extern "C" int probe_launch(int which, const ProbeCall* c, void* stream) {
+  const RopeParams p = make_params(*c);
+  cudaStream_t st = (cudaStream_t)stream;
+  const RopeDevice dev = {132, 9};
+  if (which <= 1) {
+    rope_set_config(which == 1 ? kFlatVariant : -1, -1, -1);
+    rope_set_launch(-1, -1, c->pdl);
+    const int rc = (int)rope_launch(&p, &dev, st);
+    rope_set_config(-1, -1, -1);
+    rope_set_launch(-1, -1, -1);
+    return rc;
+  }
+  if (c->interleaved || c->R != 128 || c->D != 128 || c->inplace || c->inverse) return 1;
+  const int h = c->Hq > c->Hk ? c->Hq : c->Hk;
+  const int u = (h * 16 + 127) / 128;
+  if (u > 8 || c->Hk == 0) return 1;
+  if (which == 2) {
+    auto* k = u <= 4 ? probe_kernel<4> : probe_kernel<8>;
+    return (int)launch_kernel(k, p.S * 2, 128, c->pdl != 0, st, p);
+  }
+  switch (which) {
+    case 3: return launch_step<0>(p, u, c->pdl != 0, st);
+    case 4: return launch_step<POS>(p, u, c->pdl != 0, st);
+    case 5: return launch_step<POS | CS>(p, u, c->pdl != 0, st);
+    case 6: return launch_step<POS | CS | BRANCH>(p, u, c->pdl != 0, st);
+  }
+  return -1;
+}
