@@ -61,10 +61,10 @@ for cu in "$here"/*.cu; do
             if (kern == "") return
             # fast kernels: template <T, NEOX, SCHED, STAGE, HINT>; the mangled name ends in the
             # HINT: 0 ld.cs loads + plain stores, 1 plain loads + stores, 2 ld.cs loads + st.cs stores
-            if (kern ~ /rope_fast_kernel.*ELi1EEEv10RopeParams/) n = split("ld.global.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.wb.v4", need, " ")
+            if (kern ~ /rope_fast_kernel.*ELi1EEEv10RopeParams/) n = split("ld.global.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
             else if (kern ~ /rope_fast_kernel.*ELi2EEEv10RopeParams/) n = split("ld.global.cs.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.cs.v4", need, " ")
-            else if (kern ~ /rope_fast_kernel/) n = split("ld.global.cs.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.wb.v4", need, " ")
-            else if (kern ~ /rope_flat_kernel/) n = split("ld.global.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.wb.v4", need, " ")
+            else if (kern ~ /rope_fast_kernel/) n = split("ld.global.cs.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
+            else if (kern ~ /rope_flat_kernel/) n = split("ld.global.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
             else if (kern ~ /rope_generic_kernel/) n = split("ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.f32 st.global", need, " ")
             else n = 0
             for (i = 1; i <= n; i++) if (index(body, need[i]) == 0) { print "missing " need[i] " in " kern; bad = 1 }

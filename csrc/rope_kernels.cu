@@ -338,9 +338,10 @@ ROPE_HD uint4 ld_data(const void* ptr) {
   }
 }
 
-// Stores through the intrinsics on the device: a plain `*p = v` came out of nvcc 13.0 as four
-// 32-bit stores in the flat kernel (the heads-per-thread kernels got 16-byte stores), which cost
-// ~10 % of W4's time. __stwb is st.global.wb, the default store, as one 16-byte vector.
+// Stores spelled out on the device: a plain `*p = v` came out of nvcc 13.0 as four 32-bit stores
+// in the flat kernel (the heads-per-thread kernels got 16-byte ones), ~4-10 % slower on the H200;
+// __stwb (st.global.wb) gives 16-byte stores, but ptxas makes them STG.E.128.STRONG.SM. This is
+// the plain weak 16-byte store (STG.E.128).
 template <int HINT>
 ROPE_HD void st_data(void* ptr, const uint4& v) {
   uint4* p = reinterpret_cast<uint4*>(ptr);
@@ -348,7 +349,9 @@ ROPE_HD void st_data(void* ptr, const uint4& v) {
   if constexpr (HINT == HINT_CS_ST) {
     __stcs(p, v);
   } else {
-    __stwb(p, v);
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+                 "r"(v.w)
+                 : "memory");
   }
 #else
   *p = v;
