@@ -562,19 +562,40 @@ constexpr int kFlatVariant = kNumVariants;  // its rope_set_config / rope_last_v
 constexpr int kFlatFallbackVariant = 4;     // forced flat on a call it cannot take
 
 struct FlatShape {
-  int vpr_log2;  // log2 of the vectors per row (D / V)
-  int rot;       // rotary vectors per row: R / V
-  int copy;      // 1: copy the pass-through vectors (out of place)
-  int both;      // q and k present: even blocks do q, odd blocks k
-  int tok32;     // B * S and S fit in 31 bits: 32-bit token decomposition
+  int vpr_log2;     // log2 of the vectors per row (D / V)
+  int rot;          // rotary vectors per row: R / V
+  int copy;         // 1: copy the pass-through vectors (out of place)
+  int both;         // q and k present: even blocks do q, odd blocks k
+  int tok32;        // B * S and S fit in 31 bits: 32-bit token decomposition
+  int tok_uniform;  // every tensor's token t starts at t * stride[1] (B == 1 or stride[0] == S * stride[1])
+  int pos_uniform;  // token t's position is at t * pos_stride_s (or is pos_offset + t)
 };
 
+// Token -> (b, s), 32-bit when it fits (~20 SASS instructions instead of ~70).
+ROPE_HD void split_token(const RopeParams& p, const FlatShape& f, const long long tok, long long& b,
+                         long long& s) {
+  if (f.tok32) {
+    const uint32_t tk = (uint32_t)tok;
+    const uint32_t bb = tk / (uint32_t)p.S;
+    b = bb;
+    s = tk - bb * (uint32_t)p.S;
+  } else {
+    b = tok / p.S;
+    s = tok - b * p.S;
+  }
+}
+
+// A block's lifetime is short (2-16 KB of data), so whatever sits between its start and its data
+// loads costs bandwidth: with uniform token strides (the common layouts) the data addresses need
+// no division, and the position and cos/sin row are fetched after the data loads are issued.
+// (H200, tools/kernel_probe.py: a 64-bit token division ahead of the loads cost 4 % on W1.)
 template <typename T, bool NEOX>
 struct FlatThread {
   static constexpr int V = VecInfo<T>::kVec;
   static constexpr int NC = NEOX ? V : V / 2;  // cos/sin floats per vector
   const T* src;  // the token's first row of this tensor
   T* dst;
+  long long tok;
   int nv;    // vectors of the token in this tensor: H * VPR
   int c;     // this thread's vector within every row it visits
   int half;  // NeoX: lanes between the two halves of a pair (R / 2V)
@@ -584,17 +605,7 @@ struct FlatThread {
 
   ROPE_HD FlatThread(const RopeParams& p, const FlatShape& f, const long long bid, const int t) {
     const bool isq = f.both ? (bid & 1) == 0 : p.Hq > 0;
-    const long long tok = f.both ? bid >> 1 : bid;
-    long long b, s;
-    if (f.tok32) {  // 32-bit division: ~20 SASS instructions instead of ~70
-      const uint32_t tk = (uint32_t)tok;
-      const uint32_t bb = tk / (uint32_t)p.S;
-      b = bb;
-      s = tk - bb * (uint32_t)p.S;
-    } else {
-      b = tok / p.S;
-      s = tok - b * p.S;
-    }
+    tok = f.both ? bid >> 1 : bid;
     nv = (int)(isq ? p.Hq : p.Hk) << f.vpr_log2;
     c = t & ((1 << f.vpr_log2) - 1);
     half = f.rot >> 1;
@@ -602,16 +613,33 @@ struct FlatThread {
     active = rot || f.copy != 0;
     const int64_t* st = isq ? p.q_stride : p.k_stride;
     const int64_t* ost = isq ? p.q_out_stride : p.k_out_stride;
-    src = static_cast<const T*>(isq ? p.q : p.k) + b * st[0] + s * st[1];
-    dst = static_cast<T*>(isq ? p.q_out : p.k_out) + b * ost[0] + s * ost[1];
-    b_ = b;
-    s_ = s;
+    long long in_off, out_off;
+    if (f.tok_uniform) {
+      in_off = tok * st[1];
+      out_off = tok * ost[1];
+    } else {
+      long long b, s;
+      split_token(p, f, tok, b, s);
+      in_off = b * st[0] + s * st[1];
+      out_off = b * ost[0] + s * ost[1];
+    }
+    src = static_cast<const T*>(isq ? p.q : p.k) + in_off;
+    dst = static_cast<T*>(isq ? p.q_out : p.k_out) + out_off;
     wait_for_previous_grid();  // the index math above overlaps the previous kernel's tail (PDL)
   }
-  long long b_, s_;
 
-  // The position heads the position -> cos/sin chain.
-  ROPE_HD void load_pos(const RopeParams& p) { pos = rot ? load_position(p, b_, s_) : 0; }
+  // The position (after the data loads: see above).
+  ROPE_HD void load_pos(const RopeParams& p, const FlatShape& f) {
+    if (!rot) {
+      pos = 0;
+    } else if (f.pos_uniform) {
+      pos = p.pos_kind == ROPE_POS_OFFSET ? p.pos_offset + tok : load_position(p, 0, tok);
+    } else {
+      long long b, s;
+      split_token(p, f, tok, b, s);
+      pos = load_position(p, b, s);
+    }
+  }
 
   ROPE_HD bool has(const int j) const { return active && j < nv; }
   ROPE_HD uint4 load(const int j) const { return ld_data<HINT_PLAIN>(src + (long long)j * V); }
@@ -660,13 +688,13 @@ __global__ void __launch_bounds__(kFlatThreads)
     rope_flat_kernel(const __grid_constant__ RopeParams p, const FlatShape f, const int on_the_fly) {
   const int t = threadIdx.x;
   FlatThread<T, NEOX> th(p, f, blockIdx.x, t);
-  th.load_pos(p);
   uint4 v[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int j = t + u * kFlatThreads;
     v[u] = th.has(j) ? th.load(j) : make_uint4(0, 0, 0, 0);
   }
+  th.load_pos(p, f);
   th.load_cs(p, on_the_fly != 0);
   const int lane = t & 31;
 #pragma unroll
@@ -687,6 +715,15 @@ __global__ void __launch_bounds__(kFlatThreads)
 
 // Whether the flat path can take p (already known to suit the fast path): see above.
 inline bool flat_tensor_ok(const int64_t* st, int64_t H, int64_t D) { return H <= 1 || st[2] == D; }
+
+// Token t of every tensor starts at t * stride[1] from its base.
+bool flat_tokens_uniform(const RopeParams& p) {
+  if (p.B == 1) return true;
+  const auto same = [&](const int64_t* st) { return st[0] == p.S * st[1]; };
+  if (p.Hq > 0 && (!same(p.q_stride) || !same(p.q_out_stride))) return false;
+  if (p.Hk > 0 && (!same(p.k_stride) || !same(p.k_out_stride))) return false;
+  return true;
+}
 
 bool flat_ok(const RopeParams& p, int64_t V) {
   if (p.D % V != 0) return false;
@@ -710,7 +747,7 @@ void flat_emulate(const RopeParams& p, const FlatShape& f, const long long block
       alignas(FlatThread<T, NEOX>) unsigned char store[32][sizeof(FlatThread<T, NEOX>)];
       for (int l = 0; l < 32; ++l) {
         th[l] = new (store[l]) FlatThread<T, NEOX>(p, f, bid, w + l);
-        th[l]->load_pos(p);
+        th[l]->load_pos(p, f);
         th[l]->load_cs(p, fly);
       }
       for (int u = 0; u < kFlatMaxVectors; ++u) {
@@ -902,8 +939,14 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
       const int64_t flat_blocks = tokens * (both ? 2 : 1);
       int vpr_log2 = 0;
       while ((int64_t{V} << vpr_log2) < p.D) ++vpr_log2;
-      const FlatShape f = {vpr_log2, (int)(p.R / V), p.copy_passthrough ? 1 : 0, both ? 1 : 0,
-                           (tokens <= 0x7fffffffLL && p.S <= 0x7fffffffLL) ? 1 : 0};
+      const FlatShape f = {vpr_log2,
+                           (int)(p.R / V),
+                           p.copy_passthrough ? 1 : 0,
+                           both ? 1 : 0,
+                           (tokens <= 0x7fffffffLL && p.S <= 0x7fffffffLL) ? 1 : 0,
+                           flat_tokens_uniform(p) ? 1 : 0,
+                           (p.B == 1 || (p.pos_kind != ROPE_POS_OFFSET &&
+                                         p.pos_stride_b == p.S * p.pos_stride_s)) ? 1 : 0};
 #ifdef ROPE_HOST_EMULATION
       if (emulate) {
         flat_emulate<T, NEOX>(p, f, flat_blocks, fly != 0);

@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(kFlatThreads)
     const int j = t + u * kFlatThreads;
     v[u] = th.has(j) ? th.load(j) : make_uint4(0, 0, 0, 0);
   }
-  th.load_pos(p);
+  th.load_pos(p, f);
   th.load_cs(p, on_the_fly != 0);
   const int lane = t & 31;
 #pragma unroll
@@ -193,7 +193,7 @@ int launch_pos_late(const ProbeCall& c, const RopeParams& p, cudaStream_t st) {
   int vpr_log2 = 0;
   while ((8 << vpr_log2) < c.D) ++vpr_log2;
   if ((8 << vpr_log2) != c.D || !flat_ok(p, 8) || c.Hk == 0) return 1;
-  const FlatShape f = {vpr_log2, c.R / 8, c.inplace ? 0 : 1, 1, 1};
+  const FlatShape f = {vpr_log2, c.R / 8, c.inplace ? 0 : 1, 1, 1, 1, 1};
   const int most = (c.Hq > c.Hk ? c.Hq : c.Hk) << vpr_log2;
   const int u = (most + kFlatThreads - 1) / kFlatThreads;
   auto* k = c.interleaved ? (u <= 4 ? flat_pos_late<false, 4> : flat_pos_late<false, 8>)
