@@ -80,6 +80,7 @@ int g_max_heads_per_thread = -1;
 int g_min_threads_per_sm = -1;
 int g_block_threads = -1;
 int g_rows_on_the_fly = -1;
+int g_flat_joint = -1;      // flat path: 0 = separate q and k blocks, else joint where they fit
 int g_last_variant = -2;  // variant of the last fast-path launch (-1: one head per thread)
 
 TuneConfig effective_config(bool many, bool small, bool inplace, bool neox) {
@@ -569,6 +570,7 @@ struct FlatShape {
   int tok32;        // B * S and S fit in 31 bits: 32-bit token decomposition
   int tok_uniform;  // every tensor's token t starts at t * stride[1] (B == 1 or stride[0] == S * stride[1])
   int pos_uniform;  // token t's position is at t * pos_stride_s (or is pos_offset + t)
+  int joint;        // one block per token for q and k together (else one per token and tensor)
 };
 
 // Token -> (b, s), 32-bit when it fits (~20 SASS instructions instead of ~70).
@@ -589,14 +591,18 @@ ROPE_HD void split_token(const RopeParams& p, const FlatShape& f, const long lon
 // loads costs bandwidth: with uniform token strides (the common layouts) the data addresses need
 // no division, and the position and cos/sin row are fetched after the data loads are issued.
 // (H200, tools/kernel_probe.py: a 64-bit token division ahead of the loads cost 4 % on W1.)
-template <typename T, bool NEOX>
+template <typename T, bool NEOX, bool JOINT>
 struct FlatThread {
   static constexpr int V = VecInfo<T>::kVec;
   static constexpr int NC = NEOX ? V : V / 2;  // cos/sin floats per vector
-  const T* src;  // the token's first row of this tensor
-  T* dst;
+  // The block's vectors j: [0, nq) from src_a / dst_a, [nq, nv) from src_b / dst_b (the k rows
+  // of a joint block; separate blocks have nq == nv).
+  const T* src_a;
+  const T* src_b;
+  T* dst_a;
+  T* dst_b;
   long long tok;
-  int nv;    // vectors of the token in this tensor: H * VPR
+  int nq, nv;
   int c;     // this thread's vector within every row it visits
   int half;  // NeoX: lanes between the two halves of a pair (R / 2V)
   bool rot, active;
@@ -604,27 +610,27 @@ struct FlatThread {
   float cs[NC], sn[NC];
 
   ROPE_HD FlatThread(const RopeParams& p, const FlatShape& f, const long long bid, const int t) {
-    const bool isq = f.both ? (bid & 1) == 0 : p.Hq > 0;
-    tok = f.both ? bid >> 1 : bid;
-    nv = (int)(isq ? p.Hq : p.Hk) << f.vpr_log2;
+    constexpr bool joint = JOINT;
+    const bool isq = joint || (f.both ? (bid & 1) == 0 : p.Hq > 0);
+    tok = joint || !f.both ? bid : bid >> 1;
+    nq = (int)(isq ? p.Hq : p.Hk) << f.vpr_log2;
+    nv = joint ? nq + ((int)p.Hk << f.vpr_log2) : nq;
     c = t & ((1 << f.vpr_log2) - 1);
     half = f.rot >> 1;
     rot = c < f.rot;
     active = rot || f.copy != 0;
-    const int64_t* st = isq ? p.q_stride : p.k_stride;
-    const int64_t* ost = isq ? p.q_out_stride : p.k_out_stride;
-    long long in_off, out_off;
-    if (f.tok_uniform) {
-      in_off = tok * st[1];
-      out_off = tok * ost[1];
-    } else {
-      long long b, s;
-      split_token(p, f, tok, b, s);
-      in_off = b * st[0] + s * st[1];
-      out_off = b * ost[0] + s * ost[1];
+    long long b = 0, s = tok;
+    if (!f.tok_uniform) split_token(p, f, tok, b, s);
+    // token offset: tok * stride[1] when uniform (no division ahead of the loads)
+    const auto at = [&](const int64_t* st) { return f.tok_uniform ? tok * st[1] : b * st[0] + s * st[1]; };
+    src_a = static_cast<const T*>(isq ? p.q : p.k) + at(isq ? p.q_stride : p.k_stride);
+    dst_a = static_cast<T*>(isq ? p.q_out : p.k_out) + at(isq ? p.q_out_stride : p.k_out_stride);
+    src_b = src_a;
+    dst_b = dst_a;
+    if (joint) {
+      src_b = static_cast<const T*>(p.k) + at(p.k_stride);
+      dst_b = static_cast<T*>(p.k_out) + at(p.k_out_stride);
     }
-    src = static_cast<const T*>(isq ? p.q : p.k) + in_off;
-    dst = static_cast<T*>(isq ? p.q_out : p.k_out) + out_off;
     wait_for_previous_grid();  // the index math above overlaps the previous kernel's tail (PDL)
   }
 
@@ -642,7 +648,10 @@ struct FlatThread {
   }
 
   ROPE_HD bool has(const int j) const { return active && j < nv; }
-  ROPE_HD uint4 load(const int j) const { return ld_data<HINT_PLAIN>(src + (long long)j * V); }
+  ROPE_HD uint4 load(const int j) const {
+    return ld_data<HINT_PLAIN>(!JOINT || j < nq ? src_a + (long long)j * V
+                                                : src_b + (long long)(j - nq) * V);
+  }
 
   // After the data loads, so that they are in flight while the position arrives.
   ROPE_HD void load_cs(const RopeParams& p, const bool fly) {
@@ -660,7 +669,7 @@ struct FlatThread {
 
   // own: this thread's vector j; other: the partner lane's vector (NeoX only).
   ROPE_HD void finish(const int j, const uint4& own, const uint4& other) const {
-    T* out = dst + (long long)j * V;
+    T* out = !JOINT || j < nq ? dst_a + (long long)j * V : dst_b + (long long)(j - nq) * V;
     if (!rot) {
       st_data<HINT_PLAIN>(out, own);
       return;
@@ -683,11 +692,11 @@ struct FlatThread {
   }
 };
 
-template <typename T, bool NEOX, int U>
+template <typename T, bool NEOX, int U, bool JOINT>
 __global__ void __launch_bounds__(kFlatThreads)
     rope_flat_kernel(const __grid_constant__ RopeParams p, const FlatShape f, const int on_the_fly) {
   const int t = threadIdx.x;
-  FlatThread<T, NEOX> th(p, f, blockIdx.x, t);
+  FlatThread<T, NEOX, JOINT> th(p, f, blockIdx.x, t);
   uint4 v[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -739,14 +748,14 @@ bool flat_ok(const RopeParams& p, int64_t V) {
 
 #ifdef ROPE_HOST_EMULATION
 // The flat kernel on the host: warp by warp, every lane's loads before any lane's shuffle.
-template <typename T, bool NEOX>
+template <typename T, bool NEOX, bool JOINT>
 void flat_emulate(const RopeParams& p, const FlatShape& f, const long long blocks, const bool fly) {
   for (long long bid = 0; bid < blocks; ++bid) {
     for (int w = 0; w < kFlatThreads; w += 32) {
-      FlatThread<T, NEOX>* th[32];
-      alignas(FlatThread<T, NEOX>) unsigned char store[32][sizeof(FlatThread<T, NEOX>)];
+      FlatThread<T, NEOX, JOINT>* th[32];
+      alignas(FlatThread<T, NEOX, JOINT>) unsigned char store[32][sizeof(FlatThread<T, NEOX, JOINT>)];
       for (int l = 0; l < 32; ++l) {
-        th[l] = new (store[l]) FlatThread<T, NEOX>(p, f, bid, w + l);
+        th[l] = new (store[l]) FlatThread<T, NEOX, JOINT>(p, f, bid, w + l);
         th[l]->load_pos(p, f);
         th[l]->load_cs(p, fly);
       }
@@ -936,9 +945,13 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
     if (cfg.variant == kFlatVariant && flat_ok(p, V)) {
       g_last_variant = kFlatVariant;
       const bool both = p.Hq > 0 && p.Hk > 0;
-      const int64_t flat_blocks = tokens * (both ? 2 : 1);
       int vpr_log2 = 0;
       while ((int64_t{V} << vpr_log2) < p.D) ++vpr_log2;
+      // Joint blocks (q and k of a token) where they fit: GQA's k rows alone make small blocks
+      // (2 KB for 8 heads of 128), and a block's start-up is paid per block.
+      const bool joint = both && g_flat_joint != 0 &&
+                         ((p.Hq + p.Hk) << vpr_log2) <= (int64_t)kFlatThreads * kFlatMaxVectors;
+      const int64_t flat_blocks = tokens * (both && !joint ? 2 : 1);
       const FlatShape f = {vpr_log2,
                            (int)(p.R / V),
                            p.copy_passthrough ? 1 : 0,
@@ -946,18 +959,26 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
                            (tokens <= 0x7fffffffLL && p.S <= 0x7fffffffLL) ? 1 : 0,
                            flat_tokens_uniform(p) ? 1 : 0,
                            (p.B == 1 || (p.pos_kind != ROPE_POS_OFFSET &&
-                                         p.pos_stride_b == p.S * p.pos_stride_s)) ? 1 : 0};
+                                         p.pos_stride_b == p.S * p.pos_stride_s)) ? 1 : 0,
+                           joint ? 1 : 0};
 #ifdef ROPE_HOST_EMULATION
       if (emulate) {
-        flat_emulate<T, NEOX>(p, f, flat_blocks, fly != 0);
+        if (joint) flat_emulate<T, NEOX, true>(p, f, flat_blocks, fly != 0);
+        else flat_emulate<T, NEOX, false>(p, f, flat_blocks, fly != 0);
         return cudaSuccess;
       }
 #endif
-      const int64_t most = (p.Hq > p.Hk ? p.Hq : p.Hk) << vpr_log2;  // vectors per block, at most
+      const int64_t most = joint ? (p.Hq + p.Hk) << vpr_log2   // vectors per block, at most
+                                 : (p.Hq > p.Hk ? p.Hq : p.Hk) << vpr_log2;
       const int u = (int)((most + kFlatThreads - 1) / kFlatThreads);
-      auto* kernel = u <= 1 ? rope_flat_kernel<T, NEOX, 1>
-                   : u <= 2 ? rope_flat_kernel<T, NEOX, 2>
-                   : u <= 4 ? rope_flat_kernel<T, NEOX, 4> : rope_flat_kernel<T, NEOX, 8>;
+      auto* kernel = joint ? (u <= 2   ? rope_flat_kernel<T, NEOX, 2, true>
+                              : u <= 4 ? rope_flat_kernel<T, NEOX, 4, true>
+                              : u <= 6 ? rope_flat_kernel<T, NEOX, 6, true>
+                                       : rope_flat_kernel<T, NEOX, 8, true>)
+                           : (u <= 1   ? rope_flat_kernel<T, NEOX, 1, false>
+                              : u <= 2 ? rope_flat_kernel<T, NEOX, 2, false>
+                              : u <= 4 ? rope_flat_kernel<T, NEOX, 4, false>
+                                       : rope_flat_kernel<T, NEOX, 8, false>);
       err = launch_kernel(kernel, flat_blocks, kFlatThreads, pdl, stream, p, f, fly);
       return err != cudaSuccess ? err : cudaGetLastError();
     }
@@ -1086,6 +1107,8 @@ extern "C" void rope_set_launch(int block_threads, int rows_on_the_fly, int pdl)
   rope_ops_cuda::g_rows_on_the_fly = rows_on_the_fly >= 0 ? (rows_on_the_fly != 0) : -1;
   rope_ops_cuda::g_pdl = pdl >= 0 ? (pdl != 0) : 1;
 }
+
+extern "C" void rope_set_flat_blocks(int joint) { rope_ops_cuda::g_flat_joint = joint; }
 
 extern "C" int rope_num_variants(void) { return rope_ops_cuda::kFlatVariant + 1; }
 

@@ -119,6 +119,8 @@ def lib(tmp_path_factory):
     so.rope_set_config.restype = None
     so.rope_set_launch.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
     so.rope_set_launch.restype = None
+    so.rope_set_flat_blocks.argtypes = [ctypes.c_int]
+    so.rope_set_flat_blocks.restype = None
     so.rope_num_variants.restype = ctypes.c_int
     so.rope_last_variant.restype = ctypes.c_int
     so.rope_variant_name.argtypes = [ctypes.c_int]
@@ -155,13 +157,16 @@ class EmulatedBackend:
         return made
 
 
-@pytest.mark.parametrize("rows_on_the_fly", [-1, 1], ids=["defaults", "rows_on_the_fly"])
-def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_the_fly):
+@pytest.mark.parametrize("rows_on_the_fly,flat_blocks", [(-1, -1), (1, -1), (-1, 0)],
+                         ids=["defaults", "rows_on_the_fly", "separate_flat_blocks"])
+def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_the_fly, flat_blocks):
     """The accuracy cases of tools/gpu_cuda_check.py; the second run computes every cos/sin row
-    from freq_turns (caller tables still read their table). (The block size only shapes the grid,
-    which the emulation does not have: it runs every thread id in turn.)"""
+    from freq_turns (caller tables still read their table); the third gives the flat kernel one
+    block per token and tensor even where q and k would fit one block. (The block size only
+    shapes the grid, which the emulation does not have: it runs every thread id in turn.)"""
     g = check_tool
     lib.rope_set_launch(-1, rows_on_the_fly, -1)
+    lib.rope_set_flat_blocks(flat_blocks)
     monkeypatch.setattr(g, "DEV", "cpu")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(g, "large_tensor", lambda rn: None)
@@ -202,6 +207,7 @@ def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_t
     finally:
         lib.rope_set_config(-1, -1, -1)
         lib.rope_set_launch(-1, -1, -1)
+        lib.rope_set_flat_blocks(-1)
     assert rn.count > 250
     assert not rn.failures, "\n".join(rn.failures[:20])
     paths = list(rn.paths.values())

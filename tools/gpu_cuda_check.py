@@ -350,6 +350,10 @@ def accuracy(rn: Runner):
                         run_case(rn, dtype=dtype, style=style, layout="bshd", D=64, r=64, Hq=3,
                                  Hk=3, inplace=True, inverse=True, pos_kind="offset",
                                  expect_path=1, seed=9)
+                        # many heads: the flat kernel's q and k no longer fit one block
+                        run_case(rn, dtype=dtype, style=style, layout="thd", D=128, r=128, Hq=60,
+                                 Hk=8, B=1, S=3, inplace=False, inverse=False, expect_path=1,
+                                 seed=10)
             finally:
                 rn.cb.set_config(-1, -1, -1)  # the per-class defaults
     # Every cos/sin row computed from freq_turns (the rows_on_the_fly knob, off in every class)

@@ -157,50 +157,6 @@ __global__ void __launch_bounds__(128) step_kernel(const __grid_constant__ RopeP
   }
 }
 
-// The library's flat kernel with the position loaded after the data (as the probe kernel does)
-// instead of before.
-template <bool NEOX, int U>
-__global__ void __launch_bounds__(kFlatThreads)
-    flat_pos_late(const __grid_constant__ RopeParams p, const FlatShape f, const int on_the_fly) {
-  const int t = threadIdx.x;
-  FlatThread<bf16, NEOX> th(p, f, blockIdx.x, t);
-  uint4 v[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int j = t + u * kFlatThreads;
-    v[u] = th.has(j) ? th.load(j) : make_uint4(0, 0, 0, 0);
-  }
-  th.load_pos(p, f);
-  th.load_cs(p, on_the_fly != 0);
-  const int lane = t & 31;
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int j = t + u * kFlatThreads;
-    if ((t & ~31) + u * kFlatThreads >= th.nv) break;
-    uint4 other = v[u];
-    if constexpr (NEOX) {
-      const int from = th.partner(lane);
-      other.x = __shfl_sync(0xffffffffu, v[u].x, from);
-      other.y = __shfl_sync(0xffffffffu, v[u].y, from);
-      other.z = __shfl_sync(0xffffffffu, v[u].z, from);
-      other.w = __shfl_sync(0xffffffffu, v[u].w, from);
-    }
-    if (th.has(j)) th.finish(j, v[u], other);
-  }
-}
-
-int launch_pos_late(const ProbeCall& c, const RopeParams& p, cudaStream_t st) {
-  int vpr_log2 = 0;
-  while ((8 << vpr_log2) < c.D) ++vpr_log2;
-  if ((8 << vpr_log2) != c.D || !flat_ok(p, 8) || c.Hk == 0) return 1;
-  const FlatShape f = {vpr_log2, c.R / 8, c.inplace ? 0 : 1, 1, 1, 1, 1};
-  const int most = (c.Hq > c.Hk ? c.Hq : c.Hk) << vpr_log2;
-  const int u = (most + kFlatThreads - 1) / kFlatThreads;
-  auto* k = c.interleaved ? (u <= 4 ? flat_pos_late<false, 4> : flat_pos_late<false, 8>)
-                          : (u <= 4 ? flat_pos_late<true, 4> : flat_pos_late<true, 8>);
-  return (int)launch_kernel(k, c.tokens * 2, kFlatThreads, c.pdl != 0, st, p, f, 0);
-}
-
 template <int STEP>
 int launch_step(const RopeParams& p, int u, bool pdl, cudaStream_t st) {
   auto* k = u <= 4 ? step_kernel<4, STEP> : step_kernel<8, STEP>;
@@ -209,13 +165,13 @@ int launch_step(const RopeParams& p, int u, bool pdl, cudaStream_t st) {
 
 const char* kNames[] = {
     "library default (rope_launch)",
-    "library flat (rope_set_config variant 6)",
+    "library flat (variant 6; joint q+k blocks where they fit)",
     "probe kernel (5th session)",
     "steps: probe at 128 threads",
     "steps: + load_position, 64-bit token math",
     "steps: + load_cos_sin",
     "steps: + if/else per half",
-    "library flat, position loaded after the data",
+    "library flat, separate q and k blocks (rope_set_flat_blocks(0))",
 };
 }  // namespace flat_probe
 using namespace flat_probe;
@@ -227,15 +183,16 @@ extern "C" int probe_launch(int which, const ProbeCall* c, void* stream) {
   const RopeParams p = make_params(*c);
   cudaStream_t st = (cudaStream_t)stream;
   const RopeDevice dev = {132, 9};
-  if (which <= 1) {
-    rope_set_config(which == 1 ? kFlatVariant : -1, -1, -1);
+  if (which <= 1 || which == 7) {
+    rope_set_config(which >= 1 ? kFlatVariant : -1, -1, -1);
     rope_set_launch(-1, -1, c->pdl);
+    rope_set_flat_blocks(which == 7 ? 0 : -1);
     const int rc = (int)rope_launch(&p, &dev, st);
     rope_set_config(-1, -1, -1);
     rope_set_launch(-1, -1, -1);
+    rope_set_flat_blocks(-1);
     return rc;
   }
-  if (which == 7) return launch_pos_late(*c, p, st);
   if (c->interleaved || c->R != 128 || c->D != 128 || c->inplace || c->inverse) return 1;
   const int h = c->Hq > c->Hk ? c->Hq : c->Hk;
   const int u = (h * 16 + 127) / 128;
