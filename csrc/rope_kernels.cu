@@ -51,6 +51,11 @@ struct TuneConfig {
 //   on the fly 3.49-3.86 us, slower than the table.
 // - large in gptj: W3 in place 21.15 us with blocks of 128 against 21.63 with 256.
 // - large out gptj: W3 out of place 67.6 us with blocks of 128 against 68.3 with 256.
+// Variant 6 is the flat kernel (kFlatVariant below; a block per token's q or k). Measured on the
+// H200 with tools/kernel_probe.py (2026-12-01, benchmarks/h200-2026-12-01f/), against the rows
+// above in the same runs: W2 2.91 us against 3.21 (joint q+k blocks), W5 1.027 x copy against
+// 1.045, W4 1.057 against 1.064 (separate blocks); W1 1.086-1.137 against 1.058 and W3 in place
+// 1.66 against 1.20, so those keep the heads-per-thread kernels.
 // Rows no workload measured copy their nearest measured neighbour.
 TuneConfig kDefaultConfig[16] = {
     /* large out gptj */ {5, 8, 4096, 128, 0},
@@ -58,15 +63,15 @@ TuneConfig kDefaultConfig[16] = {
     /* large in  gptj */ {4, 4, 2048, 128, 0},
     /* large in  neox */ {4, 4, 2048, 128, 0},
     /* small out gptj */ {4, 2, 128, 256, 0},
-    /* small out neox */ {4, 2, 128, 256, 0},
+    /* small out neox */ {6, 2, 128, 256, 0},
     /* small in  gptj */ {4, 2, 128, 256, 0},
     /* small in  neox */ {4, 2, 128, 256, 0},
     /* many large out gptj */ {5, 8, 4096, 128, 0},
-    /* many large out neox */ {4, 6, 2048, 128, 0},
+    /* many large out neox */ {6, 6, 2048, 128, 0},
     /* many large in  gptj */ {4, 4, 2048, 128, 0},
     /* many large in  neox */ {4, 4, 2048, 128, 0},
     /* many small out gptj */ {4, 2, 128, 256, 0},
-    /* many small out neox */ {4, 2, 128, 256, 0},
+    /* many small out neox */ {6, 2, 128, 256, 0},
     /* many small in  gptj */ {4, 2, 128, 256, 0},
     /* many small in  neox */ {4, 2, 128, 256, 0},
 };
@@ -80,7 +85,7 @@ int g_max_heads_per_thread = -1;
 int g_min_threads_per_sm = -1;
 int g_block_threads = -1;
 int g_rows_on_the_fly = -1;
-int g_flat_joint = -1;      // flat path: 0 = separate q and k blocks, else joint where they fit
+int g_flat_joint = -1;  // flat path: 0 = separate q and k blocks, 1 = joint where they fit, -1 = auto
 int g_last_variant = -2;  // variant of the last fast-path launch (-1: one head per thread)
 
 TuneConfig effective_config(bool many, bool small, bool inplace, bool neox) {
@@ -560,6 +565,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 constexpr int kFlatThreads = 128;
 constexpr int kFlatMaxVectors = 8;          // vectors per thread: H * VPR <= 1024 per tensor
 constexpr int kFlatVariant = kNumVariants;  // its rope_set_config / rope_last_variant code
+static_assert(kFlatVariant == 6, "kDefaultConfig names the flat kernel as variant 6");
 constexpr int kFlatFallbackVariant = 4;     // forced flat on a call it cannot take
 
 struct FlatShape {
@@ -949,7 +955,9 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
       while ((int64_t{V} << vpr_log2) < p.D) ++vpr_log2;
       // Joint blocks (q and k of a token) where they fit: GQA's k rows alone make small blocks
       // (2 KB for 8 heads of 128), and a block's start-up is paid per block.
-      const bool joint = both && g_flat_joint != 0 &&
+      // Measured (H200, 2026-12-01, benchmarks/h200-2026-12-01f/): joint blocks win on decode
+      // (W2 2.91 us against 3.13 separate) and lose on prefill (W4 1.066 x copy against 1.057).
+      const bool joint = both && (g_flat_joint > 0 || (g_flat_joint < 0 && small)) &&
                          ((p.Hq + p.Hk) << vpr_log2) <= (int64_t)kFlatThreads * kFlatMaxVectors;
       const int64_t flat_blocks = tokens * (both && !joint ? 2 : 1);
       const FlatShape f = {vpr_log2,

@@ -83,8 +83,9 @@ void rope_set_config(int variant, int max_heads_per_thread, int min_threads_per_
 // from freq_turns instead of reading the table; default per call class), pdl (programmatic
 // dependent launch on sm_90+; default 1).
 void rope_set_launch(int block_threads, int rows_on_the_fly, int pdl);
-// Flat path's blocks (benchmarks, tests): 0 = one per token and tensor; 1 or -1 (default) = one
-// per token for q and k together where they fit (kFlatThreads * kFlatMaxVectors vectors).
+// Flat path's blocks (benchmarks, tests): 0 = one per token and tensor; 1 = one per token for q
+// and k together where they fit (kFlatThreads * kFlatMaxVectors vectors); -1 (default) = joint
+// for decode-sized calls only.
 void rope_set_flat_blocks(int joint);
 int rope_num_variants(void);
 const char* rope_variant_name(int variant);

@@ -218,7 +218,8 @@ def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_t
 
 def test_variant_selection(lib):
     """rope_set_config forces a variant for several-heads-per-thread grids; one head per thread
-    always takes the ROUNDS/1 kernel (-1); -1 restores the class defaults."""
+    always takes the ROUNDS/1 kernel (-1); -1 restores the class defaults (decode-sized NeoX
+    calls: the flat kernel, the last variant)."""
     q = torch.randn(1, 40, 6, 64).to(torch.bfloat16)
     q_out = torch.empty_like(q)
     cos = torch.randn(64, 32)
@@ -232,7 +233,12 @@ def test_variant_selection(lib):
             assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
             assert lib.rope_last_variant() == v
             assert lib.rope_variant_name(v)
-        lib.rope_set_config(-1, -1, -1)  # decode-sized call with the defaults: one head per thread
+        lib.rope_set_config(-1, -1, -1)  # decode-sized NeoX call with the defaults: the flat kernel
+        assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
+        assert lib.rope_last_variant() == n - 1
+        assert b"flat" in lib.rope_variant_name(n - 1)
+        p = params(q=q, k=None, q_out=q_out, k_out=None, layout="bshd",  # GPT-J: one head per thread
+                   rotary_dim=64, interleaved=True, inplace=False, cos=cos, sin=cos)
         assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
         assert lib.rope_last_variant() == -1
     finally:
