@@ -57,6 +57,24 @@ def test_check_compile_script():
     assert "registers" in proc.stdout  # the ptxas report is printed
 
 
+def test_kernel_probe_builds_against_the_library():
+    """tools/probes/flat_steps.cu includes csrc/rope_kernels.cu: it must keep compiling as the
+    kernels change, and expose the probe interface tools/kernel_probe.py calls (no GPU needed to
+    load it and list the probes)."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (no CUDA toolkit on this machine)")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("kernel_probe", ROOT / "tools" / "kernel_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    sys.modules["kernel_probe"] = probe  # its dataclasses look themselves up there
+    spec.loader.exec_module(probe)
+    lib = probe.build(ROOT / "tools" / "probes" / "flat_steps.cu", nvcc=nvcc)
+    names = [lib.probe_name(i).decode() for i in range(lib.probe_count())]
+    assert len(names) == 8 and names[0].startswith("library default") and "flat" in names[1], names
+    assert lib.probe_name(lib.probe_count()) == b""
+
+
 def test_import_has_no_side_effects(tmp_path):
     proc = _run_python("""
         import sys, os, torch

@@ -61,9 +61,11 @@ SHAPES = {
 }
 
 
-def build(source: Path, arch: str, verbose: bool) -> ctypes.CDLL:
+def build(source: Path, arch: str = "90", verbose: bool = False, nvcc: str = "nvcc") -> ctypes.CDLL:
+    """nvcc-build `source` into a shared library (CUDA runtime linked statically, so it loads on
+    a machine without a GPU) and declare the probe interface's signatures."""
     so = Path(tempfile.mkdtemp(prefix="kernel_probe_")) / (source.stem + ".so")
-    cmd = ["nvcc", "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-shared", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+    cmd = [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-shared", f"-gencode=arch=compute_{arch},code=sm_{arch}",
            "-I", str(ROOT / "csrc"), "-I", str(ROOT / "tools" / "probes"), str(source), "-o", str(so)]
     if verbose:
         cmd.insert(1, "-Xptxas=-v")
