@@ -699,8 +699,8 @@ struct FlatThread {
 };
 
 template <typename T, bool NEOX, int U, bool JOINT>
-__global__ void __launch_bounds__(kFlatThreads)
-    rope_flat_kernel(const __grid_constant__ RopeParams p, const FlatShape f, const int on_the_fly) {
+__device__ __forceinline__ void flat_block_body(const RopeParams& p, const FlatShape& f,
+                                                const int on_the_fly) {
   const int t = threadIdx.x;
   FlatThread<T, NEOX, JOINT> th(p, f, blockIdx.x, t);
   uint4 v[U];
@@ -726,6 +726,12 @@ __global__ void __launch_bounds__(kFlatThreads)
     }
     if (th.has(j)) th.finish(j, v[u], other);
   }
+}
+
+template <typename T, bool NEOX, int U, bool JOINT>
+__global__ void __launch_bounds__(kFlatThreads)
+    rope_flat_kernel(const __grid_constant__ RopeParams p, const FlatShape f, const int on_the_fly) {
+  flat_block_body<T, NEOX, U, JOINT>(p, f, on_the_fly);
 }
 
 // Whether the flat path can take p (already known to suit the fast path): see above.

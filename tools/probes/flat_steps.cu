@@ -49,54 +49,13 @@ RopeParams make_params(const ProbeCall& c) {
 }
 
 // The fifth session's probe kernel (benchmarks/h200-2026-12-01e/flat_probe.cu, flat_rope with
-// plain loads), unchanged but for taking its pointers from RopeParams.
-template <int MAXU>
-__global__ void __launch_bounds__(256) probe_kernel(const __grid_constant__ RopeParams p) {
-  wait_for_previous_grid();
-  const long long tok = blockIdx.x >> 1;
-  const bool isk = blockIdx.x & 1;
-  const int nv = (int)(isk ? p.Hk : p.Hq) * 16;
-  const uint4* src = static_cast<const uint4*>(isk ? p.k : p.q) + tok * nv;
-  uint4* dst = static_cast<uint4*>(isk ? p.k_out : p.q_out) + tok * nv;
-  const int warp_base = threadIdx.x & ~31;
-  uint4 v[MAXU];
-#pragma unroll
-  for (int u = 0; u < MAXU; ++u)
-    if (warp_base + u * (int)blockDim.x < nv) v[u] = src[threadIdx.x + u * blockDim.x];
-  const int c = threadIdx.x & 15;
-  const bool first = c < 8;
-  const long long ps = __ldg(static_cast<const long long*>(p.pos) + tok);
-  float cs[8], sn[8];
-  const float4* cp = reinterpret_cast<const float4*>(p.cos_table + ps * 64 + (c & 7) * 8);
-  const float4* sp = reinterpret_cast<const float4*>(p.sin_table + ps * 64 + (c & 7) * 8);
-  const float4 c0 = __ldg(cp), c1 = __ldg(cp + 1), s0 = __ldg(sp), s1 = __ldg(sp + 1);
-  cs[0] = c0.x; cs[1] = c0.y; cs[2] = c0.z; cs[3] = c0.w; cs[4] = c1.x; cs[5] = c1.y; cs[6] = c1.z; cs[7] = c1.w;
-  sn[0] = s0.x; sn[1] = s0.y; sn[2] = s0.z; sn[3] = s0.w; sn[4] = s1.x; sn[5] = s1.y; sn[6] = s1.z; sn[7] = s1.w;
-#pragma unroll
-  for (int u = 0; u < MAXU; ++u) {
-    if (warp_base + u * (int)blockDim.x < nv) {
-      uint4 o;
-      o.x = __shfl_xor_sync(0xffffffffu, v[u].x, 8);
-      o.y = __shfl_xor_sync(0xffffffffu, v[u].y, 8);
-      o.z = __shfl_xor_sync(0xffffffffu, v[u].z, 8);
-      o.w = __shfl_xor_sync(0xffffffffu, v[u].w, 8);
-      float x[8], y[8], r[8];
-      unpack16<bf16>(v[u], x);
-      unpack16<bf16>(o, y);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) r[i] = first ? fmaf(x[i], cs[i], -y[i] * sn[i]) : fmaf(x[i], cs[i], y[i] * sn[i]);
-      dst[threadIdx.x + u * blockDim.x] = pack16<bf16>(r);
-    }
-  }
-}
-
-// The probe kernel with the library's pieces switched on one by one (128 threads, MAXU 4..8):
-// POS: load_position(p, b, s) with a 64-bit token decomposition; CS: load_cos_sin (table bounds,
-// on-the-fly rows, inverse); BRANCH: the reverted flat kernel's if/else per half instead of a
-// select.
+// plain loads, launched with 128 threads; LB = 256 is its launch bounds) with the library's
+// pieces switched on one by one (MAXU 4..8): POS: load_position(p, b, s) with a 64-bit token
+// decomposition; CS: load_cos_sin (table bounds, on-the-fly rows, inverse); BRANCH: the
+// reverted flat kernel's if/else per half instead of a select.
 enum { POS = 1, CS = 2, BRANCH = 4 };
-template <int MAXU, int STEP>
-__global__ void __launch_bounds__(128) step_kernel(const __grid_constant__ RopeParams p) {
+template <int MAXU, int STEP, int LB>
+__global__ void __launch_bounds__(LB) step_kernel(const __grid_constant__ RopeParams p) {
   const long long tok = blockIdx.x >> 1;
   const bool isk = blockIdx.x & 1;
   long long b = 0, s = tok;
@@ -157,21 +116,54 @@ __global__ void __launch_bounds__(128) step_kernel(const __grid_constant__ RopeP
   }
 }
 
-template <int STEP>
+template <int STEP, int LB = 128>
 int launch_step(const RopeParams& p, int u, bool pdl, cudaStream_t st) {
-  auto* k = u <= 4 ? step_kernel<4, STEP> : step_kernel<8, STEP>;
+  auto* k = u <= 4 ? step_kernel<4, STEP, LB> : step_kernel<8, STEP, LB>;
   return (int)launch_kernel(k, p.S * 2, 128, pdl, st, p);
+}
+
+// The library's flat kernel with the probe kernel's launch bounds (256; launched with 128
+// threads, separate q and k blocks): the same registers, does ptxas schedule it differently?
+template <bool NEOX, int U>
+__global__ void __launch_bounds__(256)
+    flat_lb256(const __grid_constant__ RopeParams p, const FlatShape f, const int on_the_fly) {
+  flat_block_body<bf16, NEOX, U, false>(p, f, on_the_fly);
+}
+
+// ... and with a register cap for more resident blocks: 10 blocks of 128 threads for U <= 4
+// (<= 51 registers, 48 allocated), 8 for U = 8 (<= 64).
+template <bool NEOX, int U>
+__global__ void __launch_bounds__(128, U <= 4 ? 10 : 8)
+    flat_capped(const __grid_constant__ RopeParams p, const FlatShape f, const int on_the_fly) {
+  flat_block_body<bf16, NEOX, U, false>(p, f, on_the_fly);
+}
+
+int launch_flat_bounds(const ProbeCall& c, const RopeParams& p, cudaStream_t st, bool capped) {
+  int vpr_log2 = 0;
+  while ((8 << vpr_log2) < c.D) ++vpr_log2;
+  if ((8 << vpr_log2) != c.D || !flat_ok(p, 8) || c.Hk == 0) return 1;
+  const FlatShape f = {vpr_log2, c.R / 8, c.inplace ? 0 : 1, 1, 1, 1, 1, 0};
+  const int most = (c.Hq > c.Hk ? c.Hq : c.Hk) << vpr_log2;
+  const int u = (most + kFlatThreads - 1) / kFlatThreads;
+  auto* k = c.interleaved ? (u <= 4 ? flat_lb256<false, 4> : flat_lb256<false, 8>)
+                          : (u <= 4 ? flat_lb256<true, 4> : flat_lb256<true, 8>);
+  if (capped)
+    k = c.interleaved ? (u <= 4 ? flat_capped<false, 4> : flat_capped<false, 8>)
+                      : (u <= 4 ? flat_capped<true, 4> : flat_capped<true, 8>);
+  return (int)launch_kernel(k, c.tokens * 2, kFlatThreads, c.pdl != 0, st, p, f, 0);
 }
 
 const char* kNames[] = {
     "library default (rope_launch)",
     "library flat (variant 6; joint q+k blocks where they fit)",
-    "probe kernel (5th session)",
+    "probe kernel (5th session; steps with __launch_bounds__(256))",
     "steps: probe at 128 threads",
     "steps: + load_position, 64-bit token math",
     "steps: + load_cos_sin",
     "steps: + if/else per half",
     "library flat, separate q and k blocks (rope_set_flat_blocks(0))",
+    "library flat, separate blocks, __launch_bounds__(256)",
+    "library flat, separate blocks, __launch_bounds__(128, 10 or 8 blocks)",
 };
 }  // namespace flat_probe
 using namespace flat_probe;
@@ -193,15 +185,13 @@ extern "C" int probe_launch(int which, const ProbeCall* c, void* stream) {
     rope_set_flat_blocks(-1);
     return rc;
   }
+  if (which == 8 || which == 9) return launch_flat_bounds(*c, p, st, which == 9);
   if (c->interleaved || c->R != 128 || c->D != 128 || c->inplace || c->inverse) return 1;
   const int h = c->Hq > c->Hk ? c->Hq : c->Hk;
   const int u = (h * 16 + 127) / 128;
   if (u > 8 || c->Hk == 0) return 1;
-  if (which == 2) {
-    auto* k = u <= 4 ? probe_kernel<4> : probe_kernel<8>;
-    return (int)launch_kernel(k, p.S * 2, 128, c->pdl != 0, st, p);
-  }
   switch (which) {
+    case 2: return launch_step<0, 256>(p, u, c->pdl != 0, st);
     case 3: return launch_step<0>(p, u, c->pdl != 0, st);
     case 4: return launch_step<POS>(p, u, c->pdl != 0, st);
     case 5: return launch_step<POS | CS>(p, u, c->pdl != 0, st);
