@@ -345,7 +345,7 @@ ROPE_HD uint4 ld_data(const void* ptr) {
 }
 
 // Stores spelled out on the device: a plain `*p = v` came out of nvcc 13.0 as four 32-bit stores
-// in the flat kernel (the heads-per-thread kernels got 16-byte ones), ~4-10 % slower on the H200;
+// in the flat kernel (the heads-per-thread kernels got 16-byte ones), 3-4 % slower on the H200;
 // __stwb (st.global.wb) gives 16-byte stores, but ptxas makes them STG.E.128.STRONG.SM. This is
 // the plain weak 16-byte store (STG.E.128).
 template <int HINT>
