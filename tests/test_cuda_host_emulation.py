@@ -286,3 +286,24 @@ def test_misaligned_freq_turns_take_the_generic_path(lib):
     storage2 = freq_turns_of(inv).clone()  # aligned: the fast path
     p.freq_turns = storage2.data_ptr()
     assert lib.rope_pick_path(ctypes.byref(p)) == 1
+
+
+def test_sweep_times_the_flat_kernel_once_per_setting(check_tool):
+    """gpu_cuda_check's sweep: the flat kernel's grid ignores the heads-per-thread, threads-per-SM
+    and block-size knobs, so it gets one config (per rows-on-the-fly / PDL setting on decode)."""
+    class FakeBackend:
+        @staticmethod
+        def num_variants():
+            return 7
+
+        @staticmethod
+        def variant_name(v):
+            return "flat (a block per token's q or k)" if v == 6 else f"pipe{v}"
+
+    large = check_tool.sweep_configs(FakeBackend, small=False)
+    assert [c for c in large if c[0] == 6] == [(6, 8, 4096, -1, -1, -1)]
+    assert len([c for c in large if c[0] == 4]) == 9
+    assert len([c for c in check_tool.sweep_configs(FakeBackend, small=False, variants=[4])
+                if c[0] == 6]) == 0
+    small = check_tool.sweep_configs(FakeBackend, small=True)
+    assert sorted((c[4], c[5]) for c in small if c[0] == 6) == [(0, 0), (0, 1), (1, 0), (1, 1)]

@@ -856,13 +856,29 @@ def class_key(w):
     return f"{many}{'small' if small else 'large'} {'in ' if w['inplace'] else 'out'} {w['style']}"
 
 
+def flat_variant(cb):
+    """The flat kernel's variant number (its grid ignores heads per thread, threads per SM and
+    block size), or None for a build without it."""
+    for v in range(num_variants(cb)):
+        name = cb.variant_name(v) if hasattr(cb, "variant_name") else ""
+        if "flat" in (name.decode() if isinstance(name, bytes) else str(name)):
+            return v
+    return None
+
+
 def sweep_configs(cb, small, variants=None):
     """(variant, max_heads_per_thread, min_threads_per_sm, block_threads, rows_on_the_fly, pdl)
-    to time; -1: the class default (pdl -1: on). ``variants``: only these (default: all)."""
+    to time; -1: the class default (pdl -1: on). ``variants``: only these (default: all). The
+    flat kernel gets one config per rows-on-the-fly / PDL setting: the grid knobs do not
+    apply to it."""
+    flat = flat_variant(cb)
+    wanted = list(variants) if variants else list(range(num_variants(cb)))
     cfgs = []
     if small:  # decode-sized: block size x heads per thread x table or on-the-fly rows x PDL
         for pdl in (0, 1):
             for fly in (0, 1):
+                if flat is not None and flat in wanted:
+                    cfgs.append((flat, 2, 128, -1, fly, pdl))
                 for bt in (64, 128, 256):
                     cfgs.append((-1, 1, 4096, bt, fly, pdl))  # one head per thread
                     for mh, mt in ((2, 128), (2, 512), (4, 128)):
@@ -870,8 +886,10 @@ def sweep_configs(cb, small, variants=None):
         return cfgs
     # one head per thread (the ROUNDS/1 kernel whatever the variant)
     cfgs.append((-1, 1, 4096, -1, -1, -1))
-    for v in variants or range(num_variants(cb)):  # 9 per variant: ~8 s per workload
+    for v in wanted:  # 9 per variant: ~8 s per workload
         cfgs.append((v, 8, 4096, -1, -1, -1))
+        if v == flat:
+            continue
         for mh in (2, 4, 8, 16):
             for mt in (2048, 8192):
                 cfgs.append((v, mh, mt, -1, -1, -1))
