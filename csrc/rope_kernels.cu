@@ -372,6 +372,21 @@ struct ThreadIdx {
   long long b, s;
 };
 
+// Token -> (b, s) of the canonical [B, S] view; use32 (the token and S fit in 31 bits): 32-bit
+// division, ~20 SASS instructions instead of ~70.
+ROPE_HD void split_token(const RopeParams& p, const bool use32, const long long tok, long long& b,
+                         long long& s) {
+  if (use32) {
+    const uint32_t tk = (uint32_t)tok;
+    const uint32_t bb = tk / (uint32_t)p.S;
+    b = bb;
+    s = tk - bb * (uint32_t)p.S;
+  } else {
+    b = tok / p.S;
+    s = tok - b * p.S;
+  }
+}
+
 ROPE_HD ThreadIdx decompose(const RopeParams& p, const int CT, const int HL, const long long gid,
                             const long long total) {
   ThreadIdx r;
@@ -381,16 +396,12 @@ ROPE_HD ThreadIdx decompose(const RopeParams& p, const int CT, const int HL, con
     r.c = (int)(g - t * (uint32_t)CT);
     const uint32_t tok = t / (uint32_t)HL;
     r.lane = (int)(t - tok * (uint32_t)HL);
-    const uint32_t b = tok / (uint32_t)p.S;
-    r.b = b;
-    r.s = tok - b * (uint32_t)p.S;
+    split_token(p, true, tok, r.b, r.s);
   } else {
     r.c = (int)(gid % CT);
     const long long t = gid / CT;
     r.lane = (int)(t % HL);
-    const long long tok = t / HL;
-    r.b = tok / p.S;
-    r.s = tok - r.b * p.S;
+    split_token(p, false, t / HL, r.b, r.s);
   }
   return r;
 }
@@ -579,20 +590,6 @@ struct FlatShape {
   int joint;        // one block per token for q and k together (else one per token and tensor)
 };
 
-// Token -> (b, s), 32-bit when it fits (~20 SASS instructions instead of ~70).
-ROPE_HD void split_token(const RopeParams& p, const FlatShape& f, const long long tok, long long& b,
-                         long long& s) {
-  if (f.tok32) {
-    const uint32_t tk = (uint32_t)tok;
-    const uint32_t bb = tk / (uint32_t)p.S;
-    b = bb;
-    s = tk - bb * (uint32_t)p.S;
-  } else {
-    b = tok / p.S;
-    s = tok - b * p.S;
-  }
-}
-
 // A block's lifetime is short (2-16 KB of data), so whatever sits between its start and its data
 // loads costs bandwidth: with uniform token strides (the common layouts) the data addresses need
 // no division, and the position and cos/sin row are fetched after the data loads are issued.
@@ -626,7 +623,7 @@ struct FlatThread {
     rot = c < f.rot;
     active = rot || f.copy != 0;
     long long b = 0, s = tok;
-    if (!f.tok_uniform) split_token(p, f, tok, b, s);
+    if (!f.tok_uniform) split_token(p, f.tok32 != 0, tok, b, s);
     // token offset: tok * stride[1] when uniform (no division ahead of the loads)
     const auto at = [&](const int64_t* st) { return f.tok_uniform ? tok * st[1] : b * st[0] + s * st[1]; };
     src_a = static_cast<const T*>(isq ? p.q : p.k) + at(isq ? p.q_stride : p.k_stride);
@@ -648,7 +645,7 @@ struct FlatThread {
       pos = p.pos_kind == ROPE_POS_OFFSET ? p.pos_offset + tok : load_position(p, 0, tok);
     } else {
       long long b, s;
-      split_token(p, f, tok, b, s);
+      split_token(p, f.tok32 != 0, tok, b, s);
       pos = load_position(p, b, s);
     }
   }
