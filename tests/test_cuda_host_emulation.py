@@ -14,11 +14,10 @@ conversion rounding, alignment faults), the torch binding and the build through 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import subprocess
 from pathlib import Path
 
-from _cuda_tools import find_nvcc
+from _cuda_tools import find_nvcc, load_tool
 
 import pytest
 import torch
@@ -130,11 +129,7 @@ def lib(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def check_tool():
-    spec = importlib.util.spec_from_file_location("gpu_cuda_check",
-                                                  ROOT / "tools" / "gpu_cuda_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("gpu_cuda_check")
 
 
 class EmulatedBackend:

@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from _cuda_tools import find_nvcc
+from _cuda_tools import find_nvcc, load_tool
 
 import pytest
 import torch
@@ -64,12 +64,7 @@ def test_kernel_probe_builds_against_the_library():
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found (no CUDA toolkit on this machine)")
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("kernel_probe", ROOT / "tools" / "kernel_probe.py")
-    probe = importlib.util.module_from_spec(spec)
-    sys.modules["kernel_probe"] = probe  # its dataclasses look themselves up there
-    spec.loader.exec_module(probe)
-    lib = probe.build(ROOT / "tools" / "probes" / "flat_steps.cu", nvcc=nvcc)
+    lib = load_tool("kernel_probe").build(ROOT / "tools" / "probes" / "flat_steps.cu", nvcc=nvcc)
     names = [lib.probe_name(i).decode() for i in range(lib.probe_count())]
     assert len(names) == 10 and names[0].startswith("library default") and "flat" in names[1], names
     assert lib.probe_name(lib.probe_count()) == b""
