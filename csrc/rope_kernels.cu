@@ -755,6 +755,41 @@ bool flat_ok(const RopeParams& p, int64_t V) {
   return p.B * p.S * 2 <= 0x7fffffffLL;  // blocks
 }
 
+// A flat launch: the kernel's shape, its blocks and the vectors per thread (before rounding up
+// to an instantiated U). `small`: a decode-sized call.
+struct FlatPlan {
+  FlatShape f;
+  int64_t blocks;
+  int vectors_per_thread;
+};
+
+FlatPlan plan_flat(const RopeParams& p, const int64_t V, const bool small) {
+  const int64_t tokens = p.B * p.S;
+  const bool both = p.Hq > 0 && p.Hk > 0;
+  int vpr_log2 = 0;
+  while ((V << vpr_log2) < p.D) ++vpr_log2;
+  // Joint blocks (q and k of a token) where they fit: GQA's k rows alone make small blocks
+  // (2 KB for 8 heads of 128), and a block's start-up is paid per block.
+  // Measured (H200, 2026-12-01, benchmarks/h200-2026-12-01f/): joint blocks win on decode
+  // (W2 2.91 us against 3.13 separate) and lose on prefill (W4 1.066 x copy against 1.057).
+  const bool joint = both && (g_flat_joint > 0 || (g_flat_joint < 0 && small)) &&
+                     ((p.Hq + p.Hk) << vpr_log2) <= (int64_t)kFlatThreads * kFlatMaxVectors;
+  FlatPlan plan;
+  plan.f = {vpr_log2,
+            (int)(p.R / V),
+            p.copy_passthrough ? 1 : 0,
+            both ? 1 : 0,
+            (tokens <= 0x7fffffffLL && p.S <= 0x7fffffffLL) ? 1 : 0,
+            flat_tokens_uniform(p) ? 1 : 0,
+            (p.B == 1 || (p.pos_kind != ROPE_POS_OFFSET && p.pos_stride_b == p.S * p.pos_stride_s)) ? 1 : 0,
+            joint ? 1 : 0};
+  plan.blocks = tokens * (both && !joint ? 2 : 1);
+  const int64_t most = joint ? (p.Hq + p.Hk) << vpr_log2  // vectors per block, at most
+                             : (p.Hq > p.Hk ? p.Hq : p.Hk) << vpr_log2;
+  plan.vectors_per_thread = (int)((most + kFlatThreads - 1) / kFlatThreads);
+  return plan;
+}
+
 #ifdef ROPE_HOST_EMULATION
 // The flat kernel on the host: warp by warp, every lane's loads before any lane's shuffle.
 template <typename T, bool NEOX, bool JOINT>
@@ -953,35 +988,17 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
     const int fly = cfg.rows_on_the_fly != 0 ? 1 : 0;
     if (cfg.variant == kFlatVariant && flat_ok(p, V)) {
       g_last_variant = kFlatVariant;
-      const bool both = p.Hq > 0 && p.Hk > 0;
-      int vpr_log2 = 0;
-      while ((int64_t{V} << vpr_log2) < p.D) ++vpr_log2;
-      // Joint blocks (q and k of a token) where they fit: GQA's k rows alone make small blocks
-      // (2 KB for 8 heads of 128), and a block's start-up is paid per block.
-      // Measured (H200, 2026-12-01, benchmarks/h200-2026-12-01f/): joint blocks win on decode
-      // (W2 2.91 us against 3.13 separate) and lose on prefill (W4 1.066 x copy against 1.057).
-      const bool joint = both && (g_flat_joint > 0 || (g_flat_joint < 0 && small)) &&
-                         ((p.Hq + p.Hk) << vpr_log2) <= (int64_t)kFlatThreads * kFlatMaxVectors;
-      const int64_t flat_blocks = tokens * (both && !joint ? 2 : 1);
-      const FlatShape f = {vpr_log2,
-                           (int)(p.R / V),
-                           p.copy_passthrough ? 1 : 0,
-                           both ? 1 : 0,
-                           (tokens <= 0x7fffffffLL && p.S <= 0x7fffffffLL) ? 1 : 0,
-                           flat_tokens_uniform(p) ? 1 : 0,
-                           (p.B == 1 || (p.pos_kind != ROPE_POS_OFFSET &&
-                                         p.pos_stride_b == p.S * p.pos_stride_s)) ? 1 : 0,
-                           joint ? 1 : 0};
+      const FlatPlan plan = plan_flat(p, V, small);
+      const FlatShape& f = plan.f;
+      const bool joint = f.joint != 0;
 #ifdef ROPE_HOST_EMULATION
       if (emulate) {
-        if (joint) flat_emulate<T, NEOX, true>(p, f, flat_blocks, fly != 0);
-        else flat_emulate<T, NEOX, false>(p, f, flat_blocks, fly != 0);
+        if (joint) flat_emulate<T, NEOX, true>(p, f, plan.blocks, fly != 0);
+        else flat_emulate<T, NEOX, false>(p, f, plan.blocks, fly != 0);
         return cudaSuccess;
       }
 #endif
-      const int64_t most = joint ? (p.Hq + p.Hk) << vpr_log2   // vectors per block, at most
-                                 : (p.Hq > p.Hk ? p.Hq : p.Hk) << vpr_log2;
-      const int u = (int)((most + kFlatThreads - 1) / kFlatThreads);
+      const int u = plan.vectors_per_thread;
       auto* kernel = joint ? (u <= 2   ? rope_flat_kernel<T, NEOX, 2, true>
                               : u <= 4 ? rope_flat_kernel<T, NEOX, 4, true>
                               : u <= 6 ? rope_flat_kernel<T, NEOX, 6, true>
@@ -990,7 +1007,7 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
                               : u <= 2 ? rope_flat_kernel<T, NEOX, 2, false>
                               : u <= 4 ? rope_flat_kernel<T, NEOX, 4, false>
                                        : rope_flat_kernel<T, NEOX, 8, false>);
-      err = launch_kernel(kernel, flat_blocks, kFlatThreads, pdl, stream, p, f, fly);
+      err = launch_kernel(kernel, plan.blocks, kFlatThreads, pdl, stream, p, f, fly);
       return err != cudaSuccess ? err : cudaGetLastError();
     }
     // One head per thread: the ROUNDS/1 kernel (fewest registers); else the configured variant

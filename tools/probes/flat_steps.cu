@@ -139,18 +139,18 @@ __global__ void __launch_bounds__(128, U <= 4 ? 10 : 8)
 }
 
 int launch_flat_bounds(const ProbeCall& c, const RopeParams& p, cudaStream_t st, bool capped) {
-  int vpr_log2 = 0;
-  while ((8 << vpr_log2) < c.D) ++vpr_log2;
-  if ((8 << vpr_log2) != c.D || !flat_ok(p, 8) || c.Hk == 0) return 1;
-  const FlatShape f = {vpr_log2, c.R / 8, c.inplace ? 0 : 1, 1, 1, 1, 1, 0};
-  const int most = (c.Hq > c.Hk ? c.Hq : c.Hk) << vpr_log2;
-  const int u = (most + kFlatThreads - 1) / kFlatThreads;
+  if (rope_pick_path(&p) != 1 || !flat_ok(p, 8) || c.Hk == 0) return 1;
+  rope_set_flat_blocks(0);  // separate q and k blocks
+  const FlatPlan plan = plan_flat(p, 8, false);
+  rope_set_flat_blocks(-1);
+  const FlatShape& f = plan.f;
+  const int u = plan.vectors_per_thread;
   auto* k = c.interleaved ? (u <= 4 ? flat_lb256<false, 4> : flat_lb256<false, 8>)
                           : (u <= 4 ? flat_lb256<true, 4> : flat_lb256<true, 8>);
   if (capped)
     k = c.interleaved ? (u <= 4 ? flat_capped<false, 4> : flat_capped<false, 8>)
                       : (u <= 4 ? flat_capped<true, 4> : flat_capped<true, 8>);
-  return (int)launch_kernel(k, c.tokens * 2, kFlatThreads, c.pdl != 0, st, p, f, 0);
+  return (int)launch_kernel(k, plan.blocks, kFlatThreads, c.pdl != 0, st, p, f, 0);
 }
 
 const char* kNames[] = {
