@@ -57,16 +57,18 @@ def test_check_compile_script():
     assert "registers" in proc.stdout  # the ptxas report is printed
 
 
-def test_kernel_probe_builds_against_the_library():
-    """tools/probes/flat_steps.cu includes csrc/rope_kernels.cu: it must keep compiling as the
-    kernels change, and expose the probe interface tools/kernel_probe.py calls (no GPU needed to
-    load it and list the probes)."""
+@pytest.mark.parametrize("source,count,second", [("flat_steps.cu", 10, "flat"),
+                                                  ("strided_inplace.cu", 25, "walk")])
+def test_kernel_probe_builds_against_the_library(source, count, second):
+    """The probe sources in tools/probes include csrc/rope_kernels.cu: they must keep compiling as
+    the kernels change, and expose the probe interface tools/kernel_probe.py calls (no GPU
+    needed to load one and list its probes)."""
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found (no CUDA toolkit on this machine)")
-    lib = load_tool("kernel_probe").build(ROOT / "tools" / "probes" / "flat_steps.cu", nvcc=nvcc)
+    lib = load_tool("kernel_probe").build(ROOT / "tools" / "probes" / source, nvcc=nvcc)
     names = [lib.probe_name(i).decode() for i in range(lib.probe_count())]
-    assert len(names) == 10 and names[0].startswith("library default") and "flat" in names[1], names
+    assert len(names) == count and names[0].startswith("library default") and second in names[1], names
     assert lib.probe_name(lib.probe_count()) == b""
 
 

@@ -55,6 +55,9 @@ SHAPES = {
     "W2": Shape(256, 32, 8, decode=True),
     "W3": Shape(8192, 16, 16, 256, 64, "gptj", 10000.0),
     "W3i": Shape(8192, 16, 16, 256, 64, "gptj", 10000.0, inplace=True),
+    # not PERF.md workloads: W3i with NeoX pairs, and W1 in place (whole rows rotary)
+    "W3ni": Shape(8192, 16, 16, 256, 64, "neox", 10000.0, inplace=True),
+    "W1i": Shape(16384, 32, 8, inplace=True),
     "W4f": Shape(8192, 32, 32),
     "W4b": Shape(8192, 32, 32, inverse=True),
     "W5": Shape(32768, 64, 8),
