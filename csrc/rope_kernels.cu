@@ -49,18 +49,22 @@ struct TuneConfig {
 //   thread amortise a thread's index math and cos/sin loads over more rows).
 // - small out neox {4, 2, 128, 256}: W2 3.09-3.12 us; blocks of 64-256 all give 3.05-3.11; rows
 //   on the fly 3.49-3.86 us, slower than the table.
-// - large in gptj: W3 in place 21.15 us with blocks of 128 against 21.63 with 256.
+// - large in gptj: W3 in place 21.15 us with blocks of 128 against 21.63 with 256 (now variant 7).
 // - large out gptj: W3 out of place 67.6 us with blocks of 128 against 68.3 with 256.
 // Variant 6 is the flat kernel (kFlatVariant below; a block per token's q or k). Measured on the
 // H200 with tools/kernel_probe.py (2026-12-01, benchmarks/h200-2026-12-01f/), against the rows
 // above in the same runs: W2 2.91 us against 3.21 (joint q+k blocks), W5 1.027 x copy against
 // 1.045, W4 1.057 against 1.064 (separate blocks); W1 1.086-1.137 against 1.058 and W3 in place
 // 1.66 against 1.20, so those keep the heads-per-thread kernels.
+// Variant 7 is the rows kernel (kRowsVariant; in place, the rotary vectors of consecutive rows):
+// W3 in place 20.70 us for its probe form against 21.14 for {4, 4, 2048, 128} in the same run
+// (tools/probes/strided_inplace.cu, 2026-12-01, benchmarks/h200-2026-12-01g/). Its grid has no
+// knobs but rows_on_the_fly.
 // Rows no workload measured copy their nearest measured neighbour.
 TuneConfig kDefaultConfig[16] = {
     /* large out gptj */ {5, 8, 4096, 128, 0},
     /* large out neox */ {4, 4, 2048, 256, 0},
-    /* large in  gptj */ {4, 4, 2048, 128, 0},
+    /* large in  gptj */ {7, 4, 2048, 128, 0},
     /* large in  neox */ {4, 4, 2048, 128, 0},
     /* small out gptj */ {4, 2, 128, 256, 0},
     /* small out neox */ {6, 2, 128, 256, 0},
@@ -68,7 +72,7 @@ TuneConfig kDefaultConfig[16] = {
     /* small in  neox */ {4, 2, 128, 256, 0},
     /* many large out gptj */ {5, 8, 4096, 128, 0},
     /* many large out neox */ {6, 6, 2048, 128, 0},
-    /* many large in  gptj */ {4, 4, 2048, 128, 0},
+    /* many large in  gptj */ {7, 4, 2048, 128, 0},
     /* many large in  neox */ {4, 4, 2048, 128, 0},
     /* many small out gptj */ {4, 2, 128, 256, 0},
     /* many small out neox */ {6, 2, 128, 256, 0},
@@ -820,6 +824,111 @@ void flat_emulate(const RopeParams& p, const FlatShape& f, const long long block
 #endif
 
 // ------------------------------------------------------------------------------------------------
+// Rows path: calls that write only the rotary dims (in place: copy_passthrough == 0). A row is
+// one head of one token; the block's threads cover the rotary vectors of kRowsThreads / TPR
+// consecutive rows (TPR threads per row, a power of two: R / V for GPT-J, R / 2V for NeoX, whose
+// thread takes the vectors at c*V and c*V + R/2), q's rows first, then k's, so a warp's accesses
+// are whole 16-byte vectors of consecutive rows and no lane idles on pass-through dims (the
+// flat kernel's lanes span whole rows). One row per thread: its position load is issued first
+// and the data loads next, so the position -> cos/sin chain runs under them; stores evict-first.
+// Why (H200, 2026-12-01, tools/probes/strided_inplace.cu, W3 in place: 128 of every 512 bytes of
+// a row): this walk took 20.70 us against 21.14 for the heads-per-thread kernel, the same walk
+// with 4 rows per thread 21.0 and blocks of 128 threads 21.7; loading and storing the same bytes
+// without rotating them takes 19.9 us, and packed densely 17.1 us.
+constexpr int kRowsThreads = 256;
+constexpr int kRowsVariant = kFlatVariant + 1;  // its rope_set_config / rope_last_variant code
+
+struct RowsShape {
+  int tpr_log2;     // log2 of the threads per row
+  long long tiles_q;  // blocks over q's rows (the later blocks do k's)
+  int idx32;        // rows and S fit in 31 bits: 32-bit divisions
+};
+
+template <typename T, bool NEOX>
+ROPE_HD void rows_thread(const RopeParams& p, const RowsShape& f, const long long bid, const int t,
+                         const bool fly) {
+  constexpr int V = VecInfo<T>::kVec;
+  constexpr int NC = NEOX ? V : V / 2;
+  const bool isq = bid < f.tiles_q;
+  const long long H = isq ? p.Hq : p.Hk;
+  const long long row = (isq ? bid : bid - f.tiles_q) * (kRowsThreads >> f.tpr_log2) + (t >> f.tpr_log2);
+  const int c = t & ((1 << f.tpr_log2) - 1);
+  if (row >= p.B * p.S * H) return;
+  long long tok, b, s;
+  if (f.idx32) tok = (uint32_t)row / (uint32_t)H;
+  else tok = row / H;
+  const long long h = row - tok * H;
+  split_token(p, f.idx32 != 0, tok, b, s);
+  const int64_t* st = isq ? p.q_stride : p.k_stride;
+  const int64_t* sto = isq ? p.q_out_stride : p.k_out_stride;
+  const long long d0 = (long long)c * V;
+  const T* src = static_cast<const T*>(isq ? p.q : p.k) + b * st[0] + s * st[1] + h * st[2] + d0;
+  T* dst = static_cast<T*>(isq ? p.q_out : p.k_out) + b * sto[0] + s * sto[1] + h * sto[2] + d0;
+  const long long half = p.R >> 1;
+  wait_for_previous_grid();  // the index math above overlaps the previous kernel's tail (PDL)
+  const long long pos = load_position(p, b, s);
+  const uint4 va = ld_data<HINT_PLAIN>(src);
+  uint4 vb = va;
+  if (NEOX) vb = ld_data<HINT_PLAIN>(src + half);
+  float cs[NC], sn[NC];
+  load_cos_sin<NC>(p, pos, (long long)c * NC, cs, sn, fly);
+  if constexpr (NEOX) {
+    float x[V], y[V], xo[V], yo[V];
+    unpack16<T>(va, x);
+    unpack16<T>(vb, y);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      xo[j] = fmaf(x[j], cs[j], -y[j] * sn[j]);
+      yo[j] = fmaf(y[j], cs[j], x[j] * sn[j]);
+    }
+    st_data<HINT_CS_ST>(dst, pack16<T>(xo));
+    st_data<HINT_CS_ST>(dst + half, pack16<T>(yo));
+  } else {
+    float x[V], o[V];
+    unpack16<T>(va, x);
+#pragma unroll
+    for (int j = 0; j < V / 2; ++j) {
+      o[2 * j] = fmaf(x[2 * j], cs[j], -x[2 * j + 1] * sn[j]);
+      o[2 * j + 1] = fmaf(x[2 * j + 1], cs[j], x[2 * j] * sn[j]);
+    }
+    st_data<HINT_CS_ST>(dst, pack16<T>(o));
+  }
+}
+
+template <typename T, bool NEOX>
+__global__ void __launch_bounds__(kRowsThreads)
+    rope_rows_kernel(const __grid_constant__ RopeParams p, const RowsShape f, const int on_the_fly) {
+  rows_thread<T, NEOX>(p, f, blockIdx.x, threadIdx.x, on_the_fly != 0);
+}
+
+// Whether the rows path can take p (already known to suit the fast path), and its grid.
+bool rows_ok(const RopeParams& p, const int64_t V, const bool neox) {
+  if (p.copy_passthrough) return false;  // it never touches the pass-through dims
+  const int64_t tpr = neox ? p.R / (2 * V) : p.R / V;
+  return tpr >= 1 && tpr <= kRowsThreads && (tpr & (tpr - 1)) == 0;
+}
+
+struct RowsPlan {
+  RowsShape f;
+  int64_t blocks;
+};
+
+RowsPlan plan_rows(const RopeParams& p, const int64_t V, const bool neox) {
+  const int64_t tpr = neox ? p.R / (2 * V) : p.R / V;
+  int tpr_log2 = 0;
+  while ((int64_t(1) << tpr_log2) < tpr) ++tpr_log2;
+  const int64_t per_block = kRowsThreads >> tpr_log2;
+  const int64_t tokens = p.B * p.S;
+  const int64_t rows_q = tokens * p.Hq, rows_k = tokens * p.Hk;
+  const int64_t most = rows_q > rows_k ? rows_q : rows_k;
+  RowsPlan plan;
+  plan.f = {tpr_log2, (rows_q + per_block - 1) / per_block,
+            (most <= 0x7fffffffLL && p.S <= 0x7fffffffLL) ? 1 : 0};
+  plan.blocks = plan.f.tiles_q + (rows_k + per_block - 1) / per_block;
+  return plan;
+}
+
+// ------------------------------------------------------------------------------------------------
 // Generic path: any strides (including head_dim stride != 1), any even R, any D, no alignment.
 // One item per pair (j < R/2) or per pass-through element; grid-stride loop, 64-bit indices.
 template <typename T, bool NEOX>
@@ -1010,9 +1119,26 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
       err = launch_kernel(kernel, plan.blocks, kFlatThreads, pdl, stream, p, f, fly);
       return err != cudaSuccess ? err : cudaGetLastError();
     }
+    if (cfg.variant == kRowsVariant && rows_ok(p, V, NEOX)) {
+      const RowsPlan plan = plan_rows(p, V, NEOX);
+      if (plan.blocks <= 0x7fffffffLL) {
+        g_last_variant = kRowsVariant;
+#ifdef ROPE_HOST_EMULATION
+        if (emulate) {
+          for (long long bid = 0; bid < plan.blocks; ++bid)
+            for (int t = 0; t < kRowsThreads; ++t) rows_thread<T, NEOX>(p, plan.f, bid, t, fly != 0);
+          return cudaSuccess;
+        }
+#endif
+        err = launch_kernel(rope_rows_kernel<T, NEOX>, plan.blocks, kRowsThreads, pdl, stream, p,
+                            plan.f, fly);
+        return err != cudaSuccess ? err : cudaGetLastError();
+      }
+    }
     // One head per thread: the ROUNDS/1 kernel (fewest registers); else the configured variant
-    // (a forced flat variant that cannot take the call falls back to kFlatFallbackVariant).
-    const int v = hl >= Ht ? -1 : cfg.variant == kFlatVariant ? kFlatFallbackVariant : cfg.variant;
+    // (a forced flat or rows variant that cannot take the call falls back to
+    // kFlatFallbackVariant).
+    const int v = hl >= Ht ? -1 : cfg.variant >= kFlatVariant ? kFlatFallbackVariant : cfg.variant;
     g_last_variant = v;
 #ifdef ROPE_HOST_EMULATION
     if (emulate) {
@@ -1125,7 +1251,7 @@ extern "C" void rope_set_tuning(int max_heads_per_thread, int min_threads_per_sm
 
 extern "C" void rope_set_config(int variant, int max_heads_per_thread, int min_threads_per_sm) {
   rope_ops_cuda::g_variant =
-      variant >= 0 && variant <= rope_ops_cuda::kFlatVariant ? variant : -1;
+      variant >= 0 && variant <= rope_ops_cuda::kRowsVariant ? variant : -1;
   rope_ops_cuda::g_max_heads_per_thread = max_heads_per_thread >= 1 ? max_heads_per_thread : -1;
   rope_ops_cuda::g_min_threads_per_sm = min_threads_per_sm >= 1 ? min_threads_per_sm : -1;
 }
@@ -1138,10 +1264,11 @@ extern "C" void rope_set_launch(int block_threads, int rows_on_the_fly, int pdl)
 
 extern "C" void rope_set_flat_blocks(int joint) { rope_ops_cuda::g_flat_joint = joint; }
 
-extern "C" int rope_num_variants(void) { return rope_ops_cuda::kFlatVariant + 1; }
+extern "C" int rope_num_variants(void) { return rope_ops_cuda::kRowsVariant + 1; }
 
 extern "C" const char* rope_variant_name(int variant) {
   if (variant == rope_ops_cuda::kFlatVariant) return "flat (a block per token's q or k)";
+  if (variant == rope_ops_cuda::kRowsVariant) return "rows (the rotary vectors of consecutive rows; in place)";
   if (variant < 0 || variant >= rope_ops_cuda::kNumVariants) return "rounds1/ld.cs (one head per thread)";
   return rope_ops_cuda::kVariants[variant].name;
 }

@@ -211,31 +211,80 @@ def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_t
     assert used >= set(range(-1, lib.rope_num_variants())), sorted(used)
 
 
+def _variant_named(lib, word):
+    n = lib.rope_num_variants()
+    found = [v for v in range(n) if word in lib.rope_variant_name(v)]
+    assert len(found) == 1, [lib.rope_variant_name(v) for v in range(n)]
+    return found[0]
+
+
 def test_variant_selection(lib):
     """rope_set_config forces a variant for several-heads-per-thread grids; one head per thread
-    always takes the ROUNDS/1 kernel (-1); -1 restores the class defaults (decode-sized NeoX
-    calls: the flat kernel, the last variant)."""
+    always takes the ROUNDS/1 kernel (-1); the rows kernel takes only calls that write the
+    rotary dims alone (in place; others fall back to a heads-per-thread variant); -1 restores
+    the class defaults (decode-sized NeoX calls: the flat kernel; GPT-J in place with many
+    tokens: the rows kernel)."""
     q = torch.randn(1, 40, 6, 64).to(torch.bfloat16)
-    q_out = torch.empty_like(q)
     cos = torch.randn(64, 32)
     n = lib.rope_num_variants()
-    assert n >= 2
+    flat, rows = _variant_named(lib, b"flat"), _variant_named(lib, b"rows")
+    assert n >= 8
+
+    def run(interleaved=False, inplace=False, x=q):
+        out = x if inplace else torch.empty_like(x)  # held: params keeps only its address
+        p = params(q=x, k=None, q_out=out, k_out=None,
+                   layout="bshd", rotary_dim=32 if inplace else 64, interleaved=interleaved,
+                   inplace=inplace, cos=cos, sin=cos)
+        assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
+        return lib.rope_last_variant()
+
     try:
         for v in range(n):
             lib.rope_set_config(v, 3, 1)
-            p = params(q=q, k=None, q_out=q_out, k_out=None, layout="bshd",
-                       rotary_dim=64, interleaved=False, inplace=False, cos=cos, sin=cos)
-            assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
-            assert lib.rope_last_variant() == v
+            assert run() == (4 if v == rows else v)  # out of place
+            assert run(inplace=True) == v
             assert lib.rope_variant_name(v)
         lib.rope_set_config(-1, -1, -1)  # decode-sized NeoX call with the defaults: the flat kernel
-        assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
-        assert lib.rope_last_variant() == n - 1
-        assert b"flat" in lib.rope_variant_name(n - 1)
-        p = params(q=q, k=None, q_out=q_out, k_out=None, layout="bshd",  # GPT-J: one head per thread
-                   rotary_dim=64, interleaved=True, inplace=False, cos=cos, sin=cos)
-        assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
-        assert lib.rope_last_variant() == -1
+        assert run() == flat
+        assert run(interleaved=True) == -1  # GPT-J, small: one head per thread
+        big = torch.randn(1, 9000, 8, 64).to(torch.bfloat16)  # in place, > one wave: large class
+        assert run(interleaved=True, inplace=True, x=big) == rows
+    finally:
+        lib.rope_set_config(-1, -1, -1)
+
+
+def test_rows_kernel_writes_only_the_rotary_dims(lib):
+    """The rows kernel in place, forced on every dtype and style, with positions beyond the table
+    (computed from freq_turns) and a strided head view: matches the reference in the rotary
+    dims, leaves the pass-through dims and the gaps of the view bit for bit as they were."""
+    from rope_ops._reference import rope_reference
+    from rope_ops.frequencies import cos_sin_table, freq_turns_of
+    from rope_ops.testing.checks import assert_rope_close
+
+    R, D = 32, 96
+    inv = 10000.0 ** (-torch.arange(0, R, 2, dtype=torch.float64) / R)
+    cos, sin = cos_sin_table(inv, 1.0, 64)
+    turns = freq_turns_of(inv)
+    rows = _variant_named(lib, b"rows")
+    gen = torch.Generator().manual_seed(12)
+    pos = torch.randint(0, 200, (3, 37), generator=gen)  # most beyond the 64-row table
+    try:
+        lib.rope_set_config(rows, -1, -1)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            for style in ("neox", "gptj"):
+                base = torch.randn(3, 37, 5, D + 16, generator=gen).to(dtype)
+                q = base[..., :D]  # head stride D + 16: a view with gaps
+                before = base.clone()
+                p = params(q=q, k=None, q_out=q, k_out=None, layout="bshd", rotary_dim=R,
+                           interleaved=style == "gptj", inplace=True, cos=cos, sin=sin, pos=pos,
+                           freq_turns=turns)
+                assert lib.rope_pick_path(ctypes.byref(p)) == 1
+                assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
+                assert lib.rope_last_variant() == rows
+                ref = rope_reference(before[..., :D], pos, layout="bshd", rotary_dim=R, style=style,
+                                     inv_freq=inv)
+                assert_rope_close(q, ref, before[..., :D], rotary_dim=R, style=style)
+                assert torch.equal(base[..., R:], before[..., R:])
     finally:
         lib.rope_set_config(-1, -1, -1)
 
@@ -283,20 +332,22 @@ def test_misaligned_freq_turns_take_the_generic_path(lib):
     assert lib.rope_pick_path(ctypes.byref(p)) == 1
 
 
-def test_sweep_times_the_flat_kernel_once_per_setting(check_tool):
-    """gpu_cuda_check's sweep: the flat kernel's grid ignores the heads-per-thread, threads-per-SM
-    and block-size knobs, so it gets one config (per rows-on-the-fly / PDL setting on decode)."""
+def test_sweep_times_knobless_kernels_once_per_setting(check_tool):
+    """gpu_cuda_check's sweep: the flat and rows kernels' grids ignore the heads-per-thread,
+    threads-per-SM and block-size knobs, so each gets one config (the flat kernel one per
+    rows-on-the-fly / PDL setting on decode)."""
     class FakeBackend:
         @staticmethod
         def num_variants():
-            return 7
+            return 8
 
         @staticmethod
         def variant_name(v):
-            return "flat (a block per token's q or k)" if v == 6 else f"pipe{v}"
+            return {6: "flat (a block per token's q or k)", 7: "rows (in place)"}.get(v, f"pipe{v}")
 
     large = check_tool.sweep_configs(FakeBackend, small=False)
     assert [c for c in large if c[0] == 6] == [(6, 8, 4096, -1, -1, -1)]
+    assert [c for c in large if c[0] == 7] == [(7, 8, 4096, -1, -1, -1)]
     assert len([c for c in large if c[0] == 4]) == 9
     assert len([c for c in check_tool.sweep_configs(FakeBackend, small=False, variants=[4])
                 if c[0] == 6]) == 0

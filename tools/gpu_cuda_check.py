@@ -856,22 +856,33 @@ def class_key(w):
     return f"{many}{'small' if small else 'large'} {'in ' if w['inplace'] else 'out'} {w['style']}"
 
 
-def flat_variant(cb):
-    """The flat kernel's variant number (its grid ignores heads per thread, threads per SM and
-    block size), or None for a build without it."""
+def variant_names(cb) -> dict:
+    """Variant number -> name ("" for a build that cannot name them)."""
+    names = {}
     for v in range(num_variants(cb)):
         name = cb.variant_name(v) if hasattr(cb, "variant_name") else ""
-        if "flat" in (name.decode() if isinstance(name, bytes) else str(name)):
-            return v
-    return None
+        names[v] = name.decode() if isinstance(name, bytes) else str(name)
+    return names
+
+
+def flat_variant(cb):
+    """The flat kernel's variant number, or None for a build without it."""
+    return next((v for v, name in variant_names(cb).items() if "flat" in name), None)
+
+
+def knobless_variants(cb) -> set:
+    """Variants whose grid ignores heads per thread, threads per SM and block size: the flat
+    kernel and the rows kernel."""
+    return {v for v, name in variant_names(cb).items() if "flat" in name or name.startswith("rows")}
 
 
 def sweep_configs(cb, small, variants=None):
     """(variant, max_heads_per_thread, min_threads_per_sm, block_threads, rows_on_the_fly, pdl)
     to time; -1: the class default (pdl -1: on). ``variants``: only these (default: all). The
     flat kernel gets one config per rows-on-the-fly / PDL setting: the grid knobs do not
-    apply to it."""
+    apply to it (nor to the rows kernel: one config)."""
     flat = flat_variant(cb)
+    knobless = knobless_variants(cb)
     wanted = list(variants) if variants else list(range(num_variants(cb)))
     cfgs = []
     if small:  # decode-sized: block size x heads per thread x table or on-the-fly rows x PDL
@@ -888,7 +899,7 @@ def sweep_configs(cb, small, variants=None):
     cfgs.append((-1, 1, 4096, -1, -1, -1))
     for v in wanted:  # 9 per variant: ~8 s per workload
         cfgs.append((v, 8, 4096, -1, -1, -1))
-        if v == flat:
+        if v in knobless:
             continue
         for mh in (2, 4, 8, 16):
             for mt in (2048, 8192):
