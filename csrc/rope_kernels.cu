@@ -65,7 +65,7 @@ TuneConfig kDefaultConfig[16] = {
     /* large out gptj */ {5, 8, 4096, 128, 0},
     /* large out neox */ {4, 4, 2048, 256, 0},
     /* large in  gptj */ {7, 4, 2048, 128, 0},
-    /* large in  neox */ {4, 4, 2048, 128, 0},
+    /* large in  neox */ {7, 4, 2048, 128, 0},
     /* small out gptj */ {4, 2, 128, 256, 0},
     /* small out neox */ {6, 2, 128, 256, 0},
     /* small in  gptj */ {4, 2, 128, 256, 0},
@@ -73,7 +73,7 @@ TuneConfig kDefaultConfig[16] = {
     /* many large out gptj */ {5, 8, 4096, 128, 0},
     /* many large out neox */ {6, 6, 2048, 128, 0},
     /* many large in  gptj */ {7, 4, 2048, 128, 0},
-    /* many large in  neox */ {4, 4, 2048, 128, 0},
+    /* many large in  neox */ {7, 4, 2048, 128, 0},
     /* many small out gptj */ {4, 2, 128, 256, 0},
     /* many small out neox */ {6, 2, 128, 256, 0},
     /* many small in  gptj */ {4, 2, 128, 256, 0},
@@ -837,11 +837,40 @@ void flat_emulate(const RopeParams& p, const FlatShape& f, const long long block
 // without rotating them takes 19.9 us, and packed densely 17.1 us.
 constexpr int kRowsThreads = 256;
 constexpr int kRowsVariant = kFlatVariant + 1;  // its rope_set_config / rope_last_variant code
+constexpr int kRowsDenseVariant = 4;  // the in-place classes' choice on whole rotary rows
+
+// n / d for n < 2^31 by a multiply-high and a shift (Granlund-Montgomery; exact for every such
+// n), with mul and shift computed once on the host: a thread here moves only 16-32 bytes, so
+// a ~20-instruction division per thread costs bandwidth (H200: W3 in place 22.4 us with two of
+// them against 20.7 for the probe form without).
+struct FastDiv {
+  uint32_t mul, shift;
+};
+
+inline FastDiv make_fast_div(const uint32_t d) {
+  uint32_t l = 0;
+  while ((uint64_t(1) << l) < d) ++l;  // l = ceil(log2 d)
+  return {(uint32_t)(((uint64_t(1) << 32) * ((uint64_t(1) << l) - d)) / d + 1), l};
+}
+
+ROPE_HD uint32_t fast_div(const FastDiv& f, const uint32_t n) {
+#ifdef __CUDA_ARCH__
+  const uint32_t t = __umulhi(n, f.mul);
+#else
+  const uint32_t t = (uint32_t)(((uint64_t)n * f.mul) >> 32);
+#endif
+  return (t + n) >> f.shift;  // t <= n < 2^31: no overflow
+}
 
 struct RowsShape {
-  int tpr_log2;     // log2 of the threads per row
+  int tpr_log2;       // log2 of the threads per row
+  int idx32;          // rows, tokens and S below 2^31: FastDiv divisions (else 64-bit ones)
+  int uniform;        // every tensor's row r starts at r * pitch (B == 1 or batches back to back,
+                      // tokens' rows back to back): no (b, s, h) split for the data addresses
   long long tiles_q;  // blocks over q's rows (the later blocks do k's)
-  int idx32;        // rows and S fit in 31 bits: 32-bit divisions
+  long long rows_q, rows_k;
+  long long pitch[4];  // uniform: row pitch of q, q_out, k, k_out
+  FastDiv div_hq, div_hk, div_s;
 };
 
 template <typename T, bool NEOX>
@@ -850,20 +879,32 @@ ROPE_HD void rows_thread(const RopeParams& p, const RowsShape& f, const long lon
   constexpr int V = VecInfo<T>::kVec;
   constexpr int NC = NEOX ? V : V / 2;
   const bool isq = bid < f.tiles_q;
-  const long long H = isq ? p.Hq : p.Hk;
   const long long row = (isq ? bid : bid - f.tiles_q) * (kRowsThreads >> f.tpr_log2) + (t >> f.tpr_log2);
   const int c = t & ((1 << f.tpr_log2) - 1);
-  if (row >= p.B * p.S * H) return;
-  long long tok, b, s;
-  if (f.idx32) tok = (uint32_t)row / (uint32_t)H;
+  if (row >= (isq ? f.rows_q : f.rows_k)) return;
+  const long long H = isq ? p.Hq : p.Hk;
+  long long tok, b = 0, s;
+  if (f.idx32) tok = isq ? fast_div(f.div_hq, (uint32_t)row) : fast_div(f.div_hk, (uint32_t)row);
   else tok = row / H;
-  const long long h = row - tok * H;
-  split_token(p, f.idx32 != 0, tok, b, s);
-  const int64_t* st = isq ? p.q_stride : p.k_stride;
-  const int64_t* sto = isq ? p.q_out_stride : p.k_out_stride;
+  s = tok;
+  if (p.B > 1) {
+    if (f.idx32) b = fast_div(f.div_s, (uint32_t)tok);
+    else b = tok / p.S;
+    s = tok - b * p.S;
+  }
   const long long d0 = (long long)c * V;
-  const T* src = static_cast<const T*>(isq ? p.q : p.k) + b * st[0] + s * st[1] + h * st[2] + d0;
-  T* dst = static_cast<T*>(isq ? p.q_out : p.k_out) + b * sto[0] + s * sto[1] + h * sto[2] + d0;
+  const T* src = static_cast<const T*>(isq ? p.q : p.k) + d0;
+  T* dst = static_cast<T*>(isq ? p.q_out : p.k_out) + d0;
+  if (f.uniform) {
+    src += row * (isq ? f.pitch[0] : f.pitch[2]);  // (a computed index would copy f to the stack)
+    dst += row * (isq ? f.pitch[1] : f.pitch[3]);
+  } else {
+    const long long h = row - tok * H;
+    const int64_t* st = isq ? p.q_stride : p.k_stride;
+    const int64_t* sto = isq ? p.q_out_stride : p.k_out_stride;
+    src += b * st[0] + s * st[1] + h * st[2];
+    dst += b * sto[0] + s * sto[1] + h * sto[2];
+  }
   const long long half = p.R >> 1;
   wait_for_previous_grid();  // the index math above overlaps the previous kernel's tail (PDL)
   const long long pos = load_position(p, b, s);
@@ -901,7 +942,7 @@ __global__ void __launch_bounds__(kRowsThreads)
   rows_thread<T, NEOX>(p, f, blockIdx.x, threadIdx.x, on_the_fly != 0);
 }
 
-// Whether the rows path can take p (already known to suit the fast path), and its grid.
+// Whether the rows path can take p (already known to suit the fast path).
 bool rows_ok(const RopeParams& p, const int64_t V, const bool neox) {
   if (p.copy_passthrough) return false;  // it never touches the pass-through dims
   const int64_t tpr = neox ? p.R / (2 * V) : p.R / V;
@@ -913,18 +954,43 @@ struct RowsPlan {
   int64_t blocks;
 };
 
+// The pitch between consecutive rows of a tensor whose rows are uniform (see RowsShape), else -1.
+int64_t uniform_row_pitch(const RopeParams& p, const int64_t* st, const int64_t H) {
+  if (p.B > 1 && st[0] != p.S * st[1]) return -1;
+  if (H <= 1) return st[1];
+  return st[1] == H * st[2] ? st[2] : -1;
+}
+
 RowsPlan plan_rows(const RopeParams& p, const int64_t V, const bool neox) {
   const int64_t tpr = neox ? p.R / (2 * V) : p.R / V;
   int tpr_log2 = 0;
   while ((int64_t(1) << tpr_log2) < tpr) ++tpr_log2;
   const int64_t per_block = kRowsThreads >> tpr_log2;
   const int64_t tokens = p.B * p.S;
-  const int64_t rows_q = tokens * p.Hq, rows_k = tokens * p.Hk;
-  const int64_t most = rows_q > rows_k ? rows_q : rows_k;
   RowsPlan plan;
-  plan.f = {tpr_log2, (rows_q + per_block - 1) / per_block,
-            (most <= 0x7fffffffLL && p.S <= 0x7fffffffLL) ? 1 : 0};
-  plan.blocks = plan.f.tiles_q + (rows_k + per_block - 1) / per_block;
+  RowsShape& f = plan.f;
+  f = {};
+  f.tpr_log2 = tpr_log2;
+  f.rows_q = tokens * p.Hq;
+  f.rows_k = tokens * p.Hk;
+  const int64_t most = f.rows_q > f.rows_k ? f.rows_q : f.rows_k;
+  f.idx32 = (most < 0x7fffffffLL && tokens < 0x7fffffffLL && p.S < 0x7fffffffLL) ? 1 : 0;
+  if (f.idx32) {
+    f.div_hq = make_fast_div((uint32_t)(p.Hq > 0 ? p.Hq : 1));
+    f.div_hk = make_fast_div((uint32_t)(p.Hk > 0 ? p.Hk : 1));
+    f.div_s = make_fast_div((uint32_t)p.S);
+  }
+  const int64_t pitch[4] = {p.Hq > 0 ? uniform_row_pitch(p, p.q_stride, p.Hq) : 0,
+                            p.Hq > 0 ? uniform_row_pitch(p, p.q_out_stride, p.Hq) : 0,
+                            p.Hk > 0 ? uniform_row_pitch(p, p.k_stride, p.Hk) : 0,
+                            p.Hk > 0 ? uniform_row_pitch(p, p.k_out_stride, p.Hk) : 0};
+  f.uniform = 1;
+  for (int i = 0; i < 4; ++i) {
+    f.pitch[i] = pitch[i];
+    if (pitch[i] < 0) f.uniform = 0;
+  }
+  f.tiles_q = (f.rows_q + per_block - 1) / per_block;
+  plan.blocks = f.tiles_q + (f.rows_k + per_block - 1) / per_block;
   return plan;
 }
 
@@ -1075,7 +1141,10 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
     // Call class and its knobs (kDefaultConfig), unless rope_set_config / rope_set_launch forced
     // some.
     const bool small = tokens * CT * Ht < (int64_t)sms * 2048;  // decode-sized: < one full wave
-    const TuneConfig cfg = effective_config(Ht >= 64, small, !p.copy_passthrough, NEOX);
+    TuneConfig cfg = effective_config(Ht >= 64, small, !p.copy_passthrough, NEOX);
+    // The rows kernel is the default only where rows have pass-through dims: on whole rotary
+    // rows in place it lost (H200, W1 in place: 86.4 us against 82.8 for variant 4).
+    if (g_variant < 0 && cfg.variant == kRowsVariant && p.R == p.D) cfg.variant = kRowsDenseVariant;
     // Heads per thread: as many as possible (reuse of cos/sin, fewer index computations) while
     // keeping at least cfg.min_threads_per_sm threads per SM (decode-sized calls: few threads per
     // SM, so two heads each with the small-class rows).

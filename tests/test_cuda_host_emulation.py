@@ -254,9 +254,11 @@ def test_variant_selection(lib):
 
 
 def test_rows_kernel_writes_only_the_rotary_dims(lib):
-    """The rows kernel in place, forced on every dtype and style, with positions beyond the table
-    (computed from freq_turns) and a strided head view: matches the reference in the rotary
-    dims, leaves the pass-through dims and the gaps of the view bit for bit as they were."""
+    """The rows kernel in place, forced on every dtype and style, GQA (5 q heads, 2 k heads),
+    positions beyond the table (computed from freq_turns); on views whose rows are evenly spaced
+    (head stride D + 16) and on q and k as head slices of one packed tensor (they are not):
+    matches the reference in the rotary dims, and leaves the pass-through dims, the gaps and
+    the rest of the packed tensor bit for bit as they were."""
     from rope_ops._reference import rope_reference
     from rope_ops.frequencies import cos_sin_table, freq_turns_of
     from rope_ops.testing.checks import assert_rope_close
@@ -272,19 +274,29 @@ def test_rows_kernel_writes_only_the_rotary_dims(lib):
         lib.rope_set_config(rows, -1, -1)
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             for style in ("neox", "gptj"):
-                base = torch.randn(3, 37, 5, D + 16, generator=gen).to(dtype)
-                q = base[..., :D]  # head stride D + 16: a view with gaps
-                before = base.clone()
-                p = params(q=q, k=None, q_out=q, k_out=None, layout="bshd", rotary_dim=R,
-                           interleaved=style == "gptj", inplace=True, cos=cos, sin=sin, pos=pos,
-                           freq_turns=turns)
-                assert lib.rope_pick_path(ctypes.byref(p)) == 1
-                assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
-                assert lib.rope_last_variant() == rows
-                ref = rope_reference(before[..., :D], pos, layout="bshd", rotary_dim=R, style=style,
-                                     inv_freq=inv)
-                assert_rope_close(q, ref, before[..., :D], rotary_dim=R, style=style)
-                assert torch.equal(base[..., R:], before[..., R:])
+                for packed in (False, True):
+                    if packed:  # [3, 37, 5 q + 2 k + 2 v heads, D]
+                        base = [torch.randn(3, 37, 9, D, generator=gen).to(dtype)]
+                        q, k = base[0][:, :, :5], base[0][:, :, 5:7]
+                    else:
+                        base = [torch.randn(3, 37, h, D + 16, generator=gen).to(dtype) for h in (5, 2)]
+                        q, k = base[0][..., :D], base[1][..., :D]
+                    before = [x.clone() for x in base]
+                    qb, kb = q.clone(), k.clone()
+                    p = params(q=q, k=k, q_out=q, k_out=k, layout="bshd", rotary_dim=R,
+                               interleaved=style == "gptj", inplace=True, cos=cos, sin=sin,
+                               pos=pos, freq_turns=turns)
+                    assert lib.rope_pick_path(ctypes.byref(p)) == 1
+                    assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
+                    assert lib.rope_last_variant() == rows
+                    for got, x in ((q, qb), (k, kb)):
+                        ref = rope_reference(x, pos, layout="bshd", rotary_dim=R, style=style,
+                                             inv_freq=inv)
+                        assert_rope_close(got, ref, x, rotary_dim=R, style=style)
+                    for x, y in zip(base, before):
+                        assert torch.equal(x[..., R:], y[..., R:])
+                    if packed:
+                        assert torch.equal(base[0][:, :, 7:], before[0][:, :, 7:])
     finally:
         lib.rope_set_config(-1, -1, -1)
 
