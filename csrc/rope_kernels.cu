@@ -49,22 +49,24 @@ struct TuneConfig {
 //   thread amortise a thread's index math and cos/sin loads over more rows).
 // - small out neox {4, 2, 128, 256}: W2 3.09-3.12 us; blocks of 64-256 all give 3.05-3.11; rows
 //   on the fly 3.49-3.86 us, slower than the table.
-// - large in gptj: W3 in place 21.15 us with blocks of 128 against 21.63 with 256 (now variant 7).
+// - large in gptj: W3 in place 21.15 us with blocks of 128 against 21.63 with 256.
 // - large out gptj: W3 out of place 67.6 us with blocks of 128 against 68.3 with 256.
 // Variant 6 is the flat kernel (kFlatVariant below; a block per token's q or k). Measured on the
 // H200 with tools/kernel_probe.py (2026-12-01, benchmarks/h200-2026-12-01f/), against the rows
 // above in the same runs: W2 2.91 us against 3.21 (joint q+k blocks), W5 1.027 x copy against
 // 1.045, W4 1.057 against 1.064 (separate blocks); W1 1.086-1.137 against 1.058 and W3 in place
 // 1.66 against 1.20, so those keep the heads-per-thread kernels.
-// Variant 7 is the rows kernel (kRowsVariant; in place, the rotary vectors of consecutive rows):
-// W3 in place 20.70 us for its probe form against 21.14 for {4, 4, 2048, 128} in the same run
-// (tools/probes/strided_inplace.cu, 2026-12-01, benchmarks/h200-2026-12-01g/). Its grid has no
-// knobs but rows_on_the_fly.
+// Variant 7 is the rows kernel (kRowsVariant; in place, the rotary vectors of consecutive rows).
+// Measured with tools/kernel_probe.py (2026-12-01, benchmarks/h200-2026-12-01g/) against
+// {4, 4, 2048, 128} in the same run: W3's shape in place with NeoX pairs 20.61 us against 21.83;
+// W3 in place (GPT-J) 21.28 against 21.17, a tie, so GPT-J keeps the heads-per-thread kernel;
+// whole rotary rows in place (W1's shape) 87.6 against 83.2, so the rows kernel is not the
+// default there (kRowsDenseVariant).
 // Rows no workload measured copy their nearest measured neighbour.
 TuneConfig kDefaultConfig[16] = {
     /* large out gptj */ {5, 8, 4096, 128, 0},
     /* large out neox */ {4, 4, 2048, 256, 0},
-    /* large in  gptj */ {7, 4, 2048, 128, 0},
+    /* large in  gptj */ {4, 4, 2048, 128, 0},
     /* large in  neox */ {7, 4, 2048, 128, 0},
     /* small out gptj */ {4, 2, 128, 256, 0},
     /* small out neox */ {6, 2, 128, 256, 0},
@@ -72,7 +74,7 @@ TuneConfig kDefaultConfig[16] = {
     /* small in  neox */ {4, 2, 128, 256, 0},
     /* many large out gptj */ {5, 8, 4096, 128, 0},
     /* many large out neox */ {6, 6, 2048, 128, 0},
-    /* many large in  gptj */ {7, 4, 2048, 128, 0},
+    /* many large in  gptj */ {4, 4, 2048, 128, 0},
     /* many large in  neox */ {7, 4, 2048, 128, 0},
     /* many small out gptj */ {4, 2, 128, 256, 0},
     /* many small out neox */ {6, 2, 128, 256, 0},
@@ -831,10 +833,12 @@ void flat_emulate(const RopeParams& p, const FlatShape& f, const long long block
 // are whole 16-byte vectors of consecutive rows and no lane idles on pass-through dims (the
 // flat kernel's lanes span whole rows). One row per thread: its position load is issued first
 // and the data loads next, so the position -> cos/sin chain runs under them; stores evict-first.
-// Why (H200, 2026-12-01, tools/probes/strided_inplace.cu, W3 in place: 128 of every 512 bytes of
-// a row): this walk took 20.70 us against 21.14 for the heads-per-thread kernel, the same walk
-// with 4 rows per thread 21.0 and blocks of 128 threads 21.7; loading and storing the same bytes
-// without rotating them takes 19.9 us, and packed densely 17.1 us.
+// Why (H200, 2026-12-01, tools/probes/strided_inplace.cu, W3's shape in place: 128 of every 512
+// bytes of a row): the probe's form of this walk took 20.70 us against 21.14 for the heads-per-
+// thread kernel (4 rows per thread 21.0, blocks of 128 threads 21.7; loading and storing the same
+// bytes without rotating them 19.9 us, packed densely 17.1 us). This kernel, which also takes
+// any strides, positions and dtype: 20.61 us against 21.83 with NeoX pairs (a thread moves 32
+// bytes), 21.28 against 21.17 with GPT-J pairs (16 bytes: its index math weighs more).
 constexpr int kRowsThreads = 256;
 constexpr int kRowsVariant = kFlatVariant + 1;  // its rope_set_config / rope_last_variant code
 constexpr int kRowsDenseVariant = 4;  // the in-place classes' choice on whole rotary rows

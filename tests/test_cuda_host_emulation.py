@@ -222,8 +222,8 @@ def test_variant_selection(lib):
     """rope_set_config forces a variant for several-heads-per-thread grids; one head per thread
     always takes the ROUNDS/1 kernel (-1); the rows kernel takes only calls that write the
     rotary dims alone (in place; others fall back to a heads-per-thread variant); -1 restores
-    the class defaults (decode-sized NeoX calls: the flat kernel; GPT-J in place with many
-    tokens: the rows kernel)."""
+    the class defaults (decode-sized NeoX calls: the flat kernel; partial-rotary NeoX in place
+    with many tokens: the rows kernel)."""
     q = torch.randn(1, 40, 6, 64).to(torch.bfloat16)
     cos = torch.randn(64, 32)
     n = lib.rope_num_variants()
@@ -247,8 +247,9 @@ def test_variant_selection(lib):
         lib.rope_set_config(-1, -1, -1)  # decode-sized NeoX call with the defaults: the flat kernel
         assert run() == flat
         assert run(interleaved=True) == -1  # GPT-J, small: one head per thread
-        big = torch.randn(1, 9000, 8, 64).to(torch.bfloat16)  # in place, > one wave: large class
-        assert run(interleaved=True, inplace=True, x=big) == rows
+        big = torch.randn(1, 18000, 8, 64).to(torch.bfloat16)  # in place, > one wave: large class
+        assert run(inplace=True, x=big) == rows  # NeoX, rotary_dim 32 of 64
+        assert run(interleaved=True, inplace=True, x=big) == 4  # GPT-J: heads per thread
     finally:
         lib.rope_set_config(-1, -1, -1)
 
