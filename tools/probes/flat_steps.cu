@@ -6,47 +6,13 @@
 #include "../../csrc/rope_kernels.cu"
 
 #include "kernel_probe.h"
+#include "library_params.h"
 
 namespace flat_probe {  // named: nvcc's stubs trip over two anonymous namespaces
 using namespace rope_ops_cuda;
 using bf16 = __nv_bfloat16;
+using probe_common::make_params;
 
-RopeParams make_params(const ProbeCall& c) {
-  RopeParams p = {};
-  p.q = c.q;
-  p.k = c.k;
-  p.q_out = c.inplace ? const_cast<void*>(c.q) : c.q_out;
-  p.k_out = c.inplace ? const_cast<void*>(c.k) : c.k_out;
-  const int64_t H[2] = {c.Hq, c.Hk};
-  int64_t* st[4] = {p.q_stride, p.q_out_stride, p.k_stride, p.k_out_stride};
-  for (int i = 0; i < 4; ++i) {  // contiguous [1, tokens, H, D]
-    const int64_t h = H[i / 2];
-    st[i][0] = c.tokens * h * c.D;
-    st[i][1] = h * c.D;
-    st[i][2] = c.D;
-    st[i][3] = 1;
-  }
-  p.B = 1;
-  p.S = c.tokens;
-  p.Hq = c.Hq;
-  p.Hk = c.Hk;
-  p.D = c.D;
-  p.R = c.R;
-  p.dtype = ROPE_BF16;
-  p.interleaved = c.interleaved;
-  p.inverse = c.inverse;
-  p.copy_passthrough = c.inplace ? 0 : 1;
-  p.pos = c.pos;
-  p.pos_kind = ROPE_POS_I64;
-  p.pos_stride_b = 0;
-  p.pos_stride_s = 1;
-  p.cos_table = c.cos_t;
-  p.sin_table = c.sin_t;
-  p.table_rows = c.table_rows;
-  p.freq_turns = c.freq_turns;
-  p.attention_factor = 1.0f;
-  return p;
-}
 
 // The fifth session's probe kernel (benchmarks/h200-2026-12-01e/flat_probe.cu, flat_rope with
 // plain loads, launched with 128 threads; LB = 256 is its launch bounds) with the library's

@@ -7,10 +7,12 @@
 #include "../../csrc/rope_kernels.cu"
 
 #include "kernel_probe.h"
+#include "library_params.h"
 
 namespace strided_probe {
 using namespace rope_ops_cuda;
 using bf16 = __nv_bfloat16;
+using probe_common::make_params;
 
 // Thread (row, chunk): a row is one head of one token (128 rotary bytes at pitch `pitch_vec`
 // 16-byte vectors), chunk c = its 16-byte vector 0..7. A block of 256 threads covers 32 rows per
@@ -140,42 +142,6 @@ int launch_walk(const ProbeCall& c, cudaStream_t st, bool dense = false, int blo
   return (int)cudaLaunchKernelEx(&cfg, kernel, w);
 }
 
-RopeParams make_params(const ProbeCall& c) {
-  RopeParams p = {};
-  p.q = c.q;
-  p.k = c.k;
-  p.q_out = const_cast<void*>(c.q);
-  p.k_out = const_cast<void*>(c.k);
-  const int64_t H[2] = {c.Hq, c.Hk};
-  int64_t* st[4] = {p.q_stride, p.q_out_stride, p.k_stride, p.k_out_stride};
-  for (int i = 0; i < 4; ++i) {
-    const int64_t h = H[i / 2];
-    st[i][0] = c.tokens * h * c.D;
-    st[i][1] = h * c.D;
-    st[i][2] = c.D;
-    st[i][3] = 1;
-  }
-  p.B = 1;
-  p.S = c.tokens;
-  p.Hq = c.Hq;
-  p.Hk = c.Hk;
-  p.D = c.D;
-  p.R = c.R;
-  p.dtype = ROPE_BF16;
-  p.interleaved = c.interleaved;
-  p.inverse = c.inverse;
-  p.copy_passthrough = 0;
-  p.pos = c.pos;
-  p.pos_kind = ROPE_POS_I64;
-  p.pos_stride_b = 0;
-  p.pos_stride_s = 1;
-  p.cos_table = c.cos_t;
-  p.sin_table = c.sin_t;
-  p.table_rows = c.table_rows;
-  p.freq_turns = c.freq_turns;
-  p.attention_factor = 1.0f;
-  return p;
-}
 
 const char* kNames[] = {
     "library default (rope_launch)",
