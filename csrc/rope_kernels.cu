@@ -917,6 +917,9 @@ ROPE_HD void rows_thread(const RopeParams& p, const RowsShape& f, const long lon
   if (NEOX) vb = ld_data<HINT_PLAIN>(src + half);
   float cs[NC], sn[NC];
   load_cos_sin<NC>(p, pos, (long long)c * NC, cs, sn, fly);
+  // The same math as FastThread::store (bit-equal outputs across variants). Kept written out:
+  // a shared rotate helper changed the SASS of 20 kernels, those of W1's default among them,
+  // and none was left to re-time on the H200 when it was tried (2026-12-01).
   if constexpr (NEOX) {
     float x[V], y[V], xo[V], yo[V];
     unpack16<T>(va, x);
