@@ -1318,6 +1318,11 @@ extern "C" int rope_host_emulate(const RopeParams* p, int num_sms) {
   const RopeDevice dev = {num_sms, 0};
   return (int)rope_ops_cuda::dispatch(p, dev, nullptr, true);
 }
+
+// Test hook: n / d the way the rows kernel divides (FastDiv), for n < 2^31.
+extern "C" uint32_t rope_fast_div(uint32_t d, uint32_t n) {
+  return rope_ops_cuda::fast_div(rope_ops_cuda::make_fast_div(d), n);
+}
 #endif
 
 extern "C" void rope_set_tuning(int max_heads_per_thread, int min_threads_per_sm) {

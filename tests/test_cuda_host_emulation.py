@@ -302,6 +302,23 @@ def test_rows_kernel_writes_only_the_rotary_dims(lib):
         lib.rope_set_config(-1, -1, -1)
 
 
+def test_fast_div_is_exact(lib):
+    """The rows kernel's divisions (multiply-high and shift, constants from the host) equal
+    integer division for every numerator below 2^31: small and large divisors (head counts,
+    sequence lengths), numerators at the divisor's multiples and at the 2^31 edge."""
+    lib.rope_fast_div.argtypes = [ctypes.c_uint32, ctypes.c_uint32]
+    lib.rope_fast_div.restype = ctypes.c_uint32
+    gen = torch.Generator().manual_seed(13)
+    top = 2**31 - 1
+    divisors = list(range(1, 300)) + [2**k + e for k in range(9, 31) for e in (-1, 0, 1)] + \
+        torch.randint(1, top, (200,), generator=gen).tolist() + [top]
+    for d in divisors:
+        edges = {0, 1, d - 1, d, d + 1, 2 * d - 1, 2 * d, top, top - 1, top - top % d, top - top % d - 1}
+        numerators = [n for n in edges if 0 <= n <= top] + torch.randint(0, top, (20,), generator=gen).tolist()
+        for n in numerators:
+            assert lib.rope_fast_div(d, n) == n // d, (d, n)
+
+
 def test_invalid_params_are_refused(lib):
     q = torch.zeros(1, 2, 1, 8)
     cos = torch.zeros(4, 4)
