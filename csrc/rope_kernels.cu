@@ -740,8 +740,8 @@ __global__ void __launch_bounds__(kFlatThreads)
 // Whether the flat path can take p (already known to suit the fast path): see above.
 inline bool flat_tensor_ok(const int64_t* st, int64_t H, int64_t D) { return H <= 1 || st[2] == D; }
 
-// Token t of every tensor starts at t * stride[1] from its base.
-bool flat_tokens_uniform(const RopeParams& p) {
+// Token t of every tensor starts at t * stride[1] from its base (the flat and rows paths).
+bool tokens_uniform(const RopeParams& p) {
   if (p.B == 1) return true;
   const auto same = [&](const int64_t* st) { return st[0] == p.S * st[1]; };
   if (p.Hq > 0 && (!same(p.q_stride) || !same(p.q_out_stride))) return false;
@@ -786,7 +786,7 @@ FlatPlan plan_flat(const RopeParams& p, const int64_t V, const bool small) {
             p.copy_passthrough ? 1 : 0,
             both ? 1 : 0,
             (tokens <= 0x7fffffffLL && p.S <= 0x7fffffffLL) ? 1 : 0,
-            flat_tokens_uniform(p) ? 1 : 0,
+            tokens_uniform(p) ? 1 : 0,
             (p.B == 1 || (p.pos_kind != ROPE_POS_OFFSET && p.pos_stride_b == p.S * p.pos_stride_s)) ? 1 : 0,
             joint ? 1 : 0};
   plan.blocks = tokens * (both && !joint ? 2 : 1);
@@ -961,9 +961,9 @@ struct RowsPlan {
   int64_t blocks;
 };
 
-// The pitch between consecutive rows of a tensor whose rows are uniform (see RowsShape), else -1.
-int64_t uniform_row_pitch(const RopeParams& p, const int64_t* st, const int64_t H) {
-  if (p.B > 1 && st[0] != p.S * st[1]) return -1;
+// The pitch between a tensor's consecutive rows when a token's rows are evenly spaced up to the
+// next token's (with tokens_uniform: row r at r * pitch), else -1.
+int64_t row_pitch(const int64_t* st, const int64_t H) {
   if (H <= 1) return st[1];
   return st[1] == H * st[2] ? st[2] : -1;
 }
@@ -987,15 +987,12 @@ RowsPlan plan_rows(const RopeParams& p, const int64_t V, const bool neox) {
     f.div_hk = make_fast_div((uint32_t)(p.Hk > 0 ? p.Hk : 1));
     f.div_s = make_fast_div((uint32_t)p.S);
   }
-  const int64_t pitch[4] = {p.Hq > 0 ? uniform_row_pitch(p, p.q_stride, p.Hq) : 0,
-                            p.Hq > 0 ? uniform_row_pitch(p, p.q_out_stride, p.Hq) : 0,
-                            p.Hk > 0 ? uniform_row_pitch(p, p.k_stride, p.Hk) : 0,
-                            p.Hk > 0 ? uniform_row_pitch(p, p.k_out_stride, p.Hk) : 0};
-  f.uniform = 1;
-  for (int i = 0; i < 4; ++i) {
-    f.pitch[i] = pitch[i];
-    if (pitch[i] < 0) f.uniform = 0;
-  }
+  f.pitch[0] = p.Hq > 0 ? row_pitch(p.q_stride, p.Hq) : 0;
+  f.pitch[1] = p.Hq > 0 ? row_pitch(p.q_out_stride, p.Hq) : 0;
+  f.pitch[2] = p.Hk > 0 ? row_pitch(p.k_stride, p.Hk) : 0;
+  f.pitch[3] = p.Hk > 0 ? row_pitch(p.k_out_stride, p.Hk) : 0;
+  f.uniform = tokens_uniform(p) && f.pitch[0] >= 0 && f.pitch[1] >= 0 && f.pitch[2] >= 0 &&
+              f.pitch[3] >= 0;
   f.tiles_q = (f.rows_q + per_block - 1) / per_block;
   plan.blocks = f.tiles_q + (f.rows_k + per_block - 1) / per_block;
   return plan;
