@@ -30,20 +30,26 @@ _context_request: contextvars.ContextVar[str | None] = contextvars.ContextVar("r
 _cache: dict[tuple, Backend] = {}
 
 
-# Fast-path plans of rope_ops.apply, keyed by the metadata they were derived from (see _api).
+# Fast-path plans of rope_ops.apply, keyed by the metadata they were derived from (see _api):
+# (plan, guard), guard being the plan's metadata-checking form where the backend has one.
 plans: dict[tuple, tuple] = {}
 _MAX_PLANS = 4096
+# (options, guard) of the last fast-path call whose plan has a guard: a repeat of that call kind
+# skips the key (see _api.apply).
+last_call: tuple | None = None
 
 
-def remember_plan(key: tuple, plan: tuple) -> None:
+def remember_plan(key: tuple, entry: tuple) -> None:
     if len(plans) >= _MAX_PLANS:  # bounded: keys hold shapes and RotaryEmbedding objects
         plans.clear()
-    plans[key] = plan
+    plans[key] = entry
 
 
 def clear_cache() -> None:
+    global last_call
     _cache.clear()
     plans.clear()
+    last_call = None
 
 
 @contextmanager

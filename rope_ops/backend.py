@@ -141,7 +141,14 @@ class Backend:
         """Optional: a callable ``(q, k, pos, pos_offset) -> (q_out, k_out)`` doing what run()
         does for an eager out-of-place call with these constants (``inverse``: the backward), or
         None. rope_ops.apply caches it per call kind (inference calls, and both directions of
-        autograd calls), so a backend can skip per-call argument handling (decode, training)."""
+        autograd calls), so a backend can skip per-call argument handling (decode, training).
+
+        The callable may also have ``guarded(q, k, pos)``, returning a callable ``(q, k, pos) ->
+        (q_out, k_out) or None`` that runs only calls with the metadata of that call (exact
+        torch.Tensor types; q's and k's sizes, strides, dtype and device; pos's sizes, dtype and
+        device, or an int offset in (-2**62, 2**62)) that need no gradient, and returns None for
+        any other. apply then runs repeats of its last inference call kind through it without
+        building its metadata key; it must be cheaper than that key (the CUDA backend's is C++)."""
         return None
 
     def describe(self) -> dict:

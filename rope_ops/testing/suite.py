@@ -27,6 +27,7 @@ import rope_ops
 from rope_ops import BackendError, RopeError
 from rope_ops import registry
 
+from .._reference import rope_reference
 from .cases import Case, Inputs, make_inputs, standard_cases
 from .checks import assert_bitwise_equal, assert_rope_close
 
@@ -337,6 +338,79 @@ class RopeConformance:
         expected_q, expected_k = rope_ops.apply(q, k, pos, rope=rope, backend=backend_name)
         assert_bitwise_equal(q_out, expected_q, "q_out of the op")
         assert_bitwise_equal(k_out, expected_k, "k_out of the op")
+
+    # -- repeated calls --------------------------------------------------------------------
+
+    def test_repeats_follow_each_call(self, backend_name, backend_obj, device):
+        """Repeats of one call kind (same keyword arguments) whose tensors change between calls.
+
+        apply caches what it derives from a call's metadata, and runs repeats of its last call
+        kind through the backend's guard where the backend has one (Backend.bind): every change
+        of shape, strides, dtype, k, positions or gradient need must still be honoured, and bad
+        input still refused, whatever came before.
+        """
+        dtypes = [d for d in (torch.bfloat16, torch.float32, torch.float16, torch.float64)
+                  if d in backend_obj.dtypes]
+        dtype = dtypes[0]
+        rope = rope_ops.RotaryEmbedding(64, max_position=64)
+        gen = torch.Generator().manual_seed(11)
+
+        def rand(*shape, dt=dtype):
+            return torch.randn(*shape, generator=gen).to(dt).to(device)
+
+        pos = torch.randint(0, 64, (2, 6), generator=gen).to(device)
+        pos7 = torch.randint(0, 64, (2, 7), generator=gen).to(device)
+        qkv = rand(2, 6, 8, 64)
+        calls = [
+            ("first", rand(2, 6, 4, 64), rand(2, 6, 2, 64), pos),
+            ("repeat", rand(2, 6, 4, 64), rand(2, 6, 2, 64), pos),
+            ("more tokens", rand(2, 7, 4, 64), rand(2, 7, 2, 64), pos7),
+            ("more q heads", rand(2, 6, 5, 64), rand(2, 6, 2, 64), pos),
+            ("packed views", qkv[:, :, :4], qkv[:, :, 4:6], pos),
+            ("repeat after views", rand(2, 6, 4, 64), rand(2, 6, 2, 64), pos),
+            ("no k", rand(2, 6, 4, 64), None, pos),
+            ("int offset", rand(2, 6, 4, 64), rand(2, 6, 2, 64), 5),
+            ("another int offset", rand(2, 6, 4, 64), rand(2, 6, 2, 64), 40),
+            ("int32 positions", rand(2, 6, 4, 64), rand(2, 6, 2, 64), pos.int()),
+            ("positions [S]", rand(2, 6, 4, 64), rand(2, 6, 2, 64), pos[1]),
+            ("positions as a strided view", rand(2, 6, 4, 64), rand(2, 6, 2, 64), pos7[:, :6]),
+            *[(f"dtype {d}", rand(2, 6, 4, 64, dt=d), rand(2, 6, 2, 64, dt=d), pos) for d in dtypes[1:]],
+            ("a Parameter (tensor subclass)", torch.nn.Parameter(rand(2, 6, 4, 64), requires_grad=False),
+             rand(2, 6, 2, 64), pos),
+            ("last repeat", rand(2, 6, 4, 64), rand(2, 6, 2, 64), pos),
+        ]
+        for label, q, k, p in calls:
+            q_before = q.detach().clone()
+            k_before = None if k is None else k.clone()
+            q_out, k_out = rope_ops.apply(q, k, p, rope=rope, backend=backend_name)
+            assert (k_out is None) == (k is None), label
+            assert q_out.dtype == q.dtype and q_out.shape == q.shape, label
+            for out, x in ((q_out, q_before), (k_out, k_before)):
+                if x is not None:
+                    ref = rope_reference(x, p, layout="bshd", rotary_dim=64, style="neox",
+                                         inv_freq=rope.inv_freq)
+                    assert_rope_close(out, ref, x, rotary_dim=64, style="neox", what=label)
+            assert_bitwise_equal(q.detach(), q_before, f"{label}: q after the call")
+
+        q, k = rand(2, 6, 4, 64), rand(2, 6, 2, 64)
+        rope_ops.apply(q, k, pos, rope=rope, backend=backend_name)
+        if backend_obj.supports_backward:
+            # the same metadata needing a gradient: recorded by autograd; without grad mode: not
+            q_grad = q.clone().requires_grad_()
+            q_out, _ = rope_ops.apply(q_grad, k, pos, rope=rope, backend=backend_name)
+            assert q_out.grad_fn is not None, "a repeat that needs a gradient lost it"
+            with torch.no_grad():
+                q_out, _ = rope_ops.apply(q_grad, k, pos, rope=rope, backend=backend_name)
+            assert q_out.grad_fn is None
+            rope_ops.apply(q, k, pos, rope=rope, backend=backend_name)
+        bad = [("bool positions", k, True), ("offset beyond 2**62", k, 2**63),
+               ("float positions", k, pos.float()), ("positions of another shape", k, pos7)]
+        if len(dtypes) > 1:
+            bad.append(("k of another dtype", k.to(dtypes[1]), pos))
+        for label, k_bad, p in bad:
+            with pytest.raises(RopeError):
+                rope_ops.apply(q, k_bad, p, rope=rope, backend=backend_name)
+            rope_ops.apply(q, k, pos, rope=rope, backend=backend_name)  # the good kind again
 
     # -- random cases ----------------------------------------------------------------------
 

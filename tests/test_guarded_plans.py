@@ -1,0 +1,120 @@
+"""rope_ops.apply's guard path: repeats of the last call kind run through the backend's guard.
+
+The CUDA backend's guard is C++ (GuardedRope in csrc/rope_binding.cpp) and runs only on a GPU;
+here a backend with a Python guard that keeps the same contract (Backend.bind) drives the core's
+side of it, through the conformance suite's repeated-calls test, and a guard that forgets one
+check shows that test fails when a guard lets a changed call through.
+"""
+
+import pytest
+import torch
+
+import rope_ops
+from rope_ops import _select, registry
+from rope_ops._ops import run_backend
+from rope_ops.testing import RopeConformance
+from rope_ops_backends.torch_backend import TorchBackend
+
+
+class PythonGuard:
+    """Backend.bind's guard contract in Python: run only calls with the guarded call's metadata."""
+
+    def __init__(self, bound, q, k, pos, ignore=None):
+        self.bound, self.ignore = bound, ignore  # ignore: a check left out (a faulty guard)
+        self.expected = self.metadata(q, k, pos)
+        self.hits = self.misses = 0
+
+    def metadata(self, q, k, pos):
+        def of(t, strides):
+            if t is None:
+                return None
+            return (t.shape if self.ignore != "shape" else None, t.stride() if strides else None,
+                    t.dtype if self.ignore != "dtype" else None, t.device)
+        return of(q, True), of(k, True), int if type(pos) is int else of(pos, False)
+
+    def __call__(self, q, k, pos):
+        plain = type(q) is torch.Tensor and (k is None or type(k) is torch.Tensor) and (
+            type(pos) is torch.Tensor or (type(pos) is int and -(2**62) < pos < 2**62))
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
+        needs_grad = needs_grad and self.ignore != "grad"
+        if not plain or needs_grad or self.metadata(q, k, pos) != self.expected:
+            self.misses += 1
+            return None
+        self.hits += 1
+        return self.bound(q, k, None, pos) if type(pos) is int else self.bound(q, k, pos, 0)
+
+
+class Bound:
+    def __init__(self, launch, guards, ignore):
+        self.launch, self.guards, self.ignore = launch, guards, ignore
+
+    def __call__(self, q, k, pos, pos_offset):
+        return self.launch(q, k, pos, pos_offset)
+
+    def guarded(self, q, k, pos):
+        guard = PythonGuard(self, q, k, pos, self.ignore)
+        self.guards.append(guard)
+        return guard
+
+
+class Guarding(TorchBackend):
+    """The torch backend with bound launchers that have a guard (ignore: a check it leaves out)."""
+
+    name = "guarding"
+
+    def __init__(self, ignore=None):
+        self.ignore = ignore
+        self.guards: list[PythonGuard] = []
+
+    def bind(self, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved, inverse):
+        @torch.no_grad()  # like a real kernel: autograd only sees it through rope_ops' function
+        def launch(q, k, pos, pos_offset):
+            return run_backend(self, q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor,
+                               layout, rotary_dim, interleaved, inverse, False)
+        return Bound(launch, self.guards, self.ignore)
+
+
+def run_repeats(backend) -> int:
+    """The conformance suite's repeated-calls test on ``backend``; returns how many inference
+    plans it made."""
+    with registry.override({"guarding": backend, "torch": TorchBackend()}):
+        RopeConformance().test_repeats_follow_each_call("guarding", backend, torch.device("cpu"))
+        return sum(1 for key in _select.plans if not key[-1])
+
+
+def test_repeats_run_through_the_guard_and_changes_miss_it():
+    backend = Guarding()
+    inference_plans = run_repeats(backend)
+    hits = sum(g.hits for g in backend.guards)
+    misses = sum(g.misses for g in backend.guards)
+    assert hits >= 5 and misses >= 10, (hits, misses)
+    # one guard per inference plan, made with the plan (not per call)
+    assert len(backend.guards) == inference_plans >= 8, (len(backend.guards), inference_plans)
+
+
+@pytest.mark.parametrize("ignore", ["shape", "dtype", "grad"])
+def test_a_guard_that_leaves_out_a_check_fails_the_repeats_test(ignore):
+    # pytest.fail's exception (a failed pytest.raises) is a BaseException
+    with pytest.raises(BaseException) as failure:
+        run_repeats(Guarding(ignore=ignore))
+    assert not isinstance(failure.value, (pytest.skip.Exception, KeyboardInterrupt)), failure.value
+
+
+def test_the_last_call_is_forgotten_with_the_cache():
+    backend = Guarding()
+    with registry.override({"guarding": backend, "torch": TorchBackend()}):
+        q = torch.randn(1, 3, 2, 8)
+        rope_ops.apply(q, q.clone(), 0, backend="guarding")
+        assert _select.last_call is not None
+        _select.clear_cache()
+        assert _select.last_call is None and not _select.plans
+
+
+def test_autograd_plans_get_no_guard():
+    backend = Guarding()
+    with registry.override({"guarding": backend, "torch": TorchBackend()}):
+        q = torch.randn(1, 3, 2, 8, requires_grad=True)
+        for _ in range(3):
+            out, _ = rope_ops.apply(q, None, 0, backend="guarding")
+            assert out.grad_fn is not None
+        assert backend.guards == [] and _select.last_call is None
