@@ -8,9 +8,11 @@
 // rope_ops validated the call already; the checks here are cheap guards against misuse of the op
 // on its own (they never look at data and never synchronize).
 #include <ATen/ExpandUtils.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -317,6 +319,93 @@ struct BoundRope {
   }
 };
 
+// The metadata of one tensor that rope_ops.apply's plan key reads (sizes, dtype, device; strides
+// for q and k, whose layout the plan depends on).
+struct TensorMeta {
+  int64_t dim = 0;
+  std::array<int64_t, 4> sizes{}, strides{};
+  at::ScalarType dtype = at::kFloat;
+  c10::Device device{c10::kCPU};
+  bool with_strides = true;
+
+  TensorMeta() = default;
+  TensorMeta(const at::Tensor& t, bool with_strides_)
+      : dim(t.dim()), dtype(t.scalar_type()), device(t.device()), with_strides(with_strides_) {
+    TORCH_CHECK(dim <= 4, "rope_ops_cuda: GuardedRope takes tensors of at most 4 dims");
+    for (int64_t i = 0; i < dim; ++i) {
+      sizes[i] = t.size(i);
+      strides[i] = t.stride(i);
+    }
+  }
+
+  bool matches(const at::Tensor& t) const {
+    if (t.dim() != dim || t.scalar_type() != dtype || t.device() != device) return false;
+    for (int64_t i = 0; i < dim; ++i) {
+      if (t.size(i) != sizes[i] || (with_strides && t.stride(i) != strides[i])) return false;
+    }
+    return true;
+  }
+};
+
+// A plain torch.Tensor (not a subclass: those never take rope_ops.apply's fast path), or null.
+const at::Tensor* exact_tensor(py::handle obj) {
+  return THPVariable_CheckExact(obj.ptr()) ? &THPVariable_Unpack(obj.ptr()) : nullptr;
+}
+
+// A BoundRope that runs only for calls whose (q, k, pos) have the metadata of the call it was
+// made from, and returns None otherwise: rope_ops.apply's guard for repeats of its last call kind.
+// It checks in C++ what the plan key checks in Python (exact tensor types, q's and k's sizes,
+// strides, dtype and device, pos's sizes, dtype and device or an int offset, no gradient needed),
+// so a repeat skips building and hashing the key. Only plans made without gradients get one.
+struct GuardedRope {
+  BoundRope bound;
+  TensorMeta q_meta, k_meta, pos_meta;
+  bool has_k, pos_is_int;
+
+  GuardedRope(BoundRope b, py::handle q, py::handle k, py::handle pos) : bound(std::move(b)) {
+    const at::Tensor* qt = exact_tensor(q);
+    const at::Tensor* kt = k.is_none() ? nullptr : exact_tensor(k);
+    TORCH_CHECK(qt != nullptr && (k.is_none() || kt != nullptr),
+                "rope_ops_cuda: GuardedRope needs plain tensors q and k");
+    q_meta = TensorMeta(*qt, true);
+    has_k = kt != nullptr;
+    if (has_k) k_meta = TensorMeta(*kt, true);
+    pos_is_int = PyLong_CheckExact(pos.ptr());
+    if (!pos_is_int) {
+      const at::Tensor* pt = exact_tensor(pos);
+      TORCH_CHECK(pt != nullptr, "rope_ops_cuda: GuardedRope needs pos as a tensor or an int");
+      pos_meta = TensorMeta(*pt, false);
+    }
+  }
+
+  py::object operator()(py::handle q, py::handle k, py::handle pos) const {
+    const at::Tensor* qt = exact_tensor(q);
+    if (qt == nullptr || !q_meta.matches(*qt)) return py::none();
+    const at::Tensor* kt = nullptr;
+    if (has_k) {
+      kt = exact_tensor(k);
+      if (kt == nullptr || !k_meta.matches(*kt)) return py::none();
+    } else if (!k.is_none()) {
+      return py::none();
+    }
+    if (at::GradMode::is_enabled() && (qt->requires_grad() || (kt && kt->requires_grad()))) {
+      return py::none();
+    }
+    const std::optional<at::Tensor> k_opt = kt ? std::optional<at::Tensor>(*kt) : std::nullopt;
+    if (pos_is_int) {
+      if (!PyLong_CheckExact(pos.ptr())) return py::none();  // bool is not an exact int
+      int overflow = 0;
+      const long long offset = PyLong_AsLongLongAndOverflow(pos.ptr(), &overflow);
+      // apply's own range (|offset| < 2^62) so that offset + token never overflows
+      if (overflow != 0 || offset <= -(1LL << 62) || offset >= (1LL << 62)) return py::none();
+      return bound(*qt, k_opt, std::nullopt, offset);
+    }
+    const at::Tensor* pt = exact_tensor(pos);
+    if (pt == nullptr || !pos_meta.matches(*pt)) return py::none();
+    return bound(*qt, k_opt, *pt, 0);
+  }
+};
+
 // Meta / fake implementation: the op only writes into q_out / k_out, which already exist.
 void rope_meta(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
@@ -403,5 +492,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "BoundRope(cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved, "
            "inverse)")
       .def("__call__", &BoundRope::operator(),
-           "(q, k, pos, pos_offset) -> (q_out, k_out): rope(...) out of place");
+           "(q, k, pos, pos_offset) -> (q_out, k_out): rope(...) out of place")
+      .def(
+          "guarded",
+          [](const BoundRope& b, py::handle q, py::handle k, py::handle pos) {
+            return GuardedRope(b, q, k, pos);
+          },
+          "guarded(q, k, pos) -> GuardedRope: this launcher for calls with the metadata of "
+          "(q, k, pos) only");
+  py::class_<GuardedRope>(m, "GuardedRope")
+      .def("__call__", &GuardedRope::operator(),
+           "(q, k, pos) -> (q_out, k_out), or None when the call's metadata differ from the "
+           "guarded call's or it needs a gradient");
 }

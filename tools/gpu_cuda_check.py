@@ -387,6 +387,35 @@ def num_variants(cb) -> int:
     return int(cb.num_variants()) if hasattr(cb, "num_variants") else 1
 
 
+def guard_problems(name, bound, q, k, pos, want) -> list[str]:
+    """BoundRope.guarded (rope_ops.apply's guard for repeats): runs the guarded call's metadata
+    like the launcher, and returns None for every change the plan key would see."""
+    problems = []
+    guard = bound.guarded(q, k, pos)
+    got = guard(q, k, pos)
+    torch.cuda.synchronize()
+    if got is None or not torch.equal(got[0], want[0]) or (k is not None and not torch.equal(got[1], want[1])):
+        problems.append(f"{name}: GuardedRope on the guarded call's metadata differs from BoundRope")
+    with torch.no_grad():
+        if guard(q.clone().requires_grad_(), k, pos) is None:
+            problems.append(f"{name}: GuardedRope refused a call that needs no gradient (no_grad)")
+    changed = {
+        "another dtype": (q.float() if q.dtype != torch.float32 else q.half(), k, pos),
+        "another shape": (q[:, :-1], None if k is None else k[:, :-1], pos[..., :-1]),
+        "a strided view": (q.transpose(0, 1).contiguous().transpose(0, 1), k, pos) if q.shape[0] > 1 else None,
+        "k left out" if k is not None else "k added": (q, None if k is not None else q, pos),
+        "int32 positions": (q, k, pos.int()) if pos.dtype != torch.int32 else (q, k, pos.long()),
+        "an int offset": (q, k, 0),
+        "a bool offset": (q, k, True),
+        "needs a gradient": (q.clone().requires_grad_(), k, pos),
+        "a tensor subclass": (torch.nn.Parameter(q, requires_grad=False), k, pos),
+    }
+    for label, args in changed.items():
+        if args is not None and guard(*args) is not None:
+            problems.append(f"{name}: GuardedRope ran a call with {label}")
+    return problems
+
+
 def alloc_outputs(rn: Runner):
     """run() with q_out = k_out = None (out of place): returns new outputs, bitwise equal to a
     call that writes into given outputs."""
@@ -435,6 +464,7 @@ def alloc_outputs(rn: Runner):
                 if not torch.equal(got[0], want_q) or (kk is None) != (got[1] is None) or (
                         kk is not None and not torch.equal(got[1], want_k)):
                     problems.append(f"{name}: BoundRope differs (inverse={inverse})")
+                problems += guard_problems(f"{name} (inverse={inverse})", bound, q, kk, pos, got)
         # packed QKV views (non-dense inputs: dense outputs in the same dimension order), and a
         # call too large for one shared allocation
         for label, (B, S, H) in (("packed", (2, 37, 10)), ("large", (2, 4096, 40))):
