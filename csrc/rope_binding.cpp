@@ -348,8 +348,11 @@ struct TensorMeta {
 };
 
 // A plain torch.Tensor (not a subclass: those never take rope_ops.apply's fast path), or null.
+// (THPVariable_CheckExact would also take torch.nn.Parameter.)
 const at::Tensor* exact_tensor(py::handle obj) {
-  return THPVariable_CheckExact(obj.ptr()) ? &THPVariable_Unpack(obj.ptr()) : nullptr;
+  return Py_TYPE(obj.ptr()) == reinterpret_cast<PyTypeObject*>(THPVariableClass)
+             ? &THPVariable_Unpack(obj.ptr())
+             : nullptr;
 }
 
 // A BoundRope that runs only for calls whose (q, k, pos) have the metadata of the call it was
