@@ -600,7 +600,7 @@ struct FlatShape {
 // loads costs bandwidth: with uniform token strides (the common layouts) the data addresses need
 // no division, and the position and cos/sin row are fetched after the data loads are issued.
 // (H200, tools/kernel_probe.py: a 64-bit token division ahead of the loads cost 4 % on W1.)
-template <typename T, bool NEOX, bool JOINT, bool UNIFORM>
+template <typename T, bool NEOX, bool JOINT>
 struct FlatThread {
   static constexpr int V = VecInfo<T>::kVec;
   static constexpr int NC = NEOX ? V : V / 2;  // cos/sin floats per vector
@@ -628,32 +628,19 @@ struct FlatThread {
     half = f.rot >> 1;
     rot = c < f.rot;
     active = rot || f.copy != 0;
-    // token offsets: tok * stride[1] when uniform (UNIFORM == f.tok_uniform, a template
-    // parameter so that the other path's division is not compiled in ahead of the loads)
-    if constexpr (UNIFORM) {
-      src_a = static_cast<const T*>(isq ? p.q : p.k) + tok * (isq ? p.q_stride[1] : p.k_stride[1]);
-      dst_a = static_cast<T*>(isq ? p.q_out : p.k_out) + tok * (isq ? p.q_out_stride[1] : p.k_out_stride[1]);
-      src_b = static_cast<const T*>(p.k) + tok * p.k_stride[1];
-      dst_b = static_cast<T*>(p.k_out) + tok * p.k_out_stride[1];
-    } else {
-      long long b, s;
-      split_token(p, f.tok32 != 0, tok, b, s);
-      const auto at = [&](const int64_t* st) { return b * st[0] + s * st[1]; };
-      src_a = static_cast<const T*>(isq ? p.q : p.k) + at(isq ? p.q_stride : p.k_stride);
-      dst_a = static_cast<T*>(isq ? p.q_out : p.k_out) + at(isq ? p.q_out_stride : p.k_out_stride);
+    long long b = 0, s = tok;
+    if (!f.tok_uniform) split_token(p, f.tok32 != 0, tok, b, s);
+    // token offset: tok * stride[1] when uniform (no division ahead of the loads)
+    const auto at = [&](const int64_t* st) { return f.tok_uniform ? tok * st[1] : b * st[0] + s * st[1]; };
+    src_a = static_cast<const T*>(isq ? p.q : p.k) + at(isq ? p.q_stride : p.k_stride);
+    dst_a = static_cast<T*>(isq ? p.q_out : p.k_out) + at(isq ? p.q_out_stride : p.k_out_stride);
+    src_b = src_a;
+    dst_b = dst_a;
+    if (joint) {
       src_b = static_cast<const T*>(p.k) + at(p.k_stride);
       dst_b = static_cast<T*>(p.k_out) + at(p.k_out_stride);
     }
-    if (!joint) {
-      src_b = src_a;
-      dst_b = dst_a;
-    }
-    // The index math above overlaps the previous kernel's tail (PDL). The branch (the
-    // addresses are never both null) keeps ptxas from hoisting the wait above that math,
-    // which it does for an unconditional wait here (SASS: wait at instruction 8 of 75).
-    if (reinterpret_cast<uintptr_t>(src_a) | reinterpret_cast<uintptr_t>(dst_b)) {
-      wait_for_previous_grid();
-    }
+    wait_for_previous_grid();  // the index math above overlaps the previous kernel's tail (PDL)
   }
 
   // The position (after the data loads: see above).
@@ -714,11 +701,11 @@ struct FlatThread {
   }
 };
 
-template <typename T, bool NEOX, int U, bool JOINT, bool UNIFORM>
+template <typename T, bool NEOX, int U, bool JOINT>
 __device__ __forceinline__ void flat_block_body(const RopeParams& p, const FlatShape& f,
                                                 const int on_the_fly) {
   const int t = threadIdx.x;
-  FlatThread<T, NEOX, JOINT, UNIFORM> th(p, f, blockIdx.x, t);
+  FlatThread<T, NEOX, JOINT> th(p, f, blockIdx.x, t);
   uint4 v[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -744,10 +731,10 @@ __device__ __forceinline__ void flat_block_body(const RopeParams& p, const FlatS
   }
 }
 
-template <typename T, bool NEOX, int U, bool JOINT, bool UNIFORM>
+template <typename T, bool NEOX, int U, bool JOINT>
 __global__ void __launch_bounds__(kFlatThreads)
     rope_flat_kernel(const __grid_constant__ RopeParams p, const FlatShape f, const int on_the_fly) {
-  flat_block_body<T, NEOX, U, JOINT, UNIFORM>(p, f, on_the_fly);
+  flat_block_body<T, NEOX, U, JOINT>(p, f, on_the_fly);
 }
 
 // Whether the flat path can take p (already known to suit the fast path): see above.
@@ -811,15 +798,14 @@ FlatPlan plan_flat(const RopeParams& p, const int64_t V, const bool small) {
 
 #ifdef ROPE_HOST_EMULATION
 // The flat kernel on the host: warp by warp, every lane's loads before any lane's shuffle.
-template <typename T, bool NEOX, bool JOINT, bool UNIFORM>
+template <typename T, bool NEOX, bool JOINT>
 void flat_emulate(const RopeParams& p, const FlatShape& f, const long long blocks, const bool fly) {
   for (long long bid = 0; bid < blocks; ++bid) {
     for (int w = 0; w < kFlatThreads; w += 32) {
-      using Thread = FlatThread<T, NEOX, JOINT, UNIFORM>;
-      Thread* th[32];
-      alignas(Thread) unsigned char store[32][sizeof(Thread)];
+      FlatThread<T, NEOX, JOINT>* th[32];
+      alignas(FlatThread<T, NEOX, JOINT>) unsigned char store[32][sizeof(FlatThread<T, NEOX, JOINT>)];
       for (int l = 0; l < 32; ++l) {
-        th[l] = new (store[l]) Thread(p, f, bid, w + l);
+        th[l] = new (store[l]) FlatThread<T, NEOX, JOINT>(p, f, bid, w + l);
         th[l]->load_pos(p, f);
         th[l]->load_cs(p, fly);
       }
@@ -1141,20 +1127,6 @@ cudaError_t launch_kernel(void (*kernel)(Params...), int64_t blocks, int threads
   return cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
-// The flat kernel instance for a plan: joint blocks or not, U vectors per thread (rounded up to an
-// instantiated count).
-template <typename T, bool NEOX, bool UNIFORM>
-auto flat_kernel_for(const bool joint, const int u) {
-  return joint ? (u <= 2   ? rope_flat_kernel<T, NEOX, 2, true, UNIFORM>
-                  : u <= 4 ? rope_flat_kernel<T, NEOX, 4, true, UNIFORM>
-                  : u <= 6 ? rope_flat_kernel<T, NEOX, 6, true, UNIFORM>
-                           : rope_flat_kernel<T, NEOX, 8, true, UNIFORM>)
-               : (u <= 1   ? rope_flat_kernel<T, NEOX, 1, false, UNIFORM>
-                  : u <= 2 ? rope_flat_kernel<T, NEOX, 2, false, UNIFORM>
-                  : u <= 4 ? rope_flat_kernel<T, NEOX, 4, false, UNIFORM>
-                           : rope_flat_kernel<T, NEOX, 8, false, UNIFORM>);
-}
-
 template <typename T, bool NEOX>
 cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, cudaStream_t stream,
                          bool emulate) {
@@ -1203,16 +1175,20 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
       const bool joint = f.joint != 0;
 #ifdef ROPE_HOST_EMULATION
       if (emulate) {
-        const bool uni = f.tok_uniform != 0;
-        if (joint && uni) flat_emulate<T, NEOX, true, true>(p, f, plan.blocks, fly != 0);
-        else if (joint) flat_emulate<T, NEOX, true, false>(p, f, plan.blocks, fly != 0);
-        else if (uni) flat_emulate<T, NEOX, false, true>(p, f, plan.blocks, fly != 0);
-        else flat_emulate<T, NEOX, false, false>(p, f, plan.blocks, fly != 0);
+        if (joint) flat_emulate<T, NEOX, true>(p, f, plan.blocks, fly != 0);
+        else flat_emulate<T, NEOX, false>(p, f, plan.blocks, fly != 0);
         return cudaSuccess;
       }
 #endif
-      auto* kernel = f.tok_uniform ? flat_kernel_for<T, NEOX, true>(joint, plan.vectors_per_thread)
-                                   : flat_kernel_for<T, NEOX, false>(joint, plan.vectors_per_thread);
+      const int u = plan.vectors_per_thread;
+      auto* kernel = joint ? (u <= 2   ? rope_flat_kernel<T, NEOX, 2, true>
+                              : u <= 4 ? rope_flat_kernel<T, NEOX, 4, true>
+                              : u <= 6 ? rope_flat_kernel<T, NEOX, 6, true>
+                                       : rope_flat_kernel<T, NEOX, 8, true>)
+                           : (u <= 1   ? rope_flat_kernel<T, NEOX, 1, false>
+                              : u <= 2 ? rope_flat_kernel<T, NEOX, 2, false>
+                              : u <= 4 ? rope_flat_kernel<T, NEOX, 4, false>
+                                       : rope_flat_kernel<T, NEOX, 8, false>);
       err = launch_kernel(kernel, plan.blocks, kFlatThreads, pdl, stream, p, f, fly);
       return err != cudaSuccess ? err : cudaGetLastError();
     }

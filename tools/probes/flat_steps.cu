@@ -93,7 +93,7 @@ int launch_step(const RopeParams& p, int u, bool pdl, cudaStream_t st) {
 template <bool NEOX, int U>
 __global__ void __launch_bounds__(256)
     flat_lb256(const __grid_constant__ RopeParams p, const FlatShape f, const int on_the_fly) {
-  flat_block_body<bf16, NEOX, U, false, true>(p, f, on_the_fly);  // contiguous: uniform
+  flat_block_body<bf16, NEOX, U, false>(p, f, on_the_fly);
 }
 
 // ... and with a register cap for more resident blocks: 10 blocks of 128 threads for U <= 4
@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(256)
 template <bool NEOX, int U>
 __global__ void __launch_bounds__(128, U <= 4 ? 10 : 8)
     flat_capped(const __grid_constant__ RopeParams p, const FlatShape f, const int on_the_fly) {
-  flat_block_body<bf16, NEOX, U, false, true>(p, f, on_the_fly);  // contiguous: uniform
+  flat_block_body<bf16, NEOX, U, false>(p, f, on_the_fly);
 }
 
 int launch_flat_bounds(const ProbeCall& c, const RopeParams& p, cudaStream_t st, bool capped) {
@@ -110,7 +110,6 @@ int launch_flat_bounds(const ProbeCall& c, const RopeParams& p, cudaStream_t st,
   const FlatPlan plan = plan_flat(p, 8, false);
   rope_set_flat_blocks(-1);
   const FlatShape& f = plan.f;
-  if (!f.tok_uniform) return 1;
   const int u = plan.vectors_per_thread;
   auto* k = c.interleaved ? (u <= 4 ? flat_lb256<false, 4> : flat_lb256<false, 8>)
                           : (u <= 4 ? flat_lb256<true, 4> : flat_lb256<true, 8>);
