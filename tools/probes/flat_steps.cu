@@ -130,6 +130,7 @@ const char* kNames[] = {
     "library flat, separate q and k blocks (rope_set_flat_blocks(0))",
     "library flat, separate blocks, __launch_bounds__(256)",
     "library flat, separate blocks, __launch_bounds__(128, 10 or 8 blocks)",
+    "library default, cos/sin rows computed on the fly (rope_set_launch rows_on_the_fly 1)",
 };
 }  // namespace flat_probe
 using namespace flat_probe;
@@ -141,9 +142,9 @@ extern "C" int probe_launch(int which, const ProbeCall* c, void* stream) {
   const RopeParams p = make_params(*c);
   cudaStream_t st = (cudaStream_t)stream;
   const RopeDevice dev = {132, 9};
-  if (which <= 1 || which == 7) {
-    rope_set_config(which >= 1 ? kFlatVariant : -1, -1, -1);
-    rope_set_launch(-1, -1, c->pdl);
+  if (which <= 1 || which == 7 || which == 10) {
+    rope_set_config(which == 1 || which == 7 ? kFlatVariant : -1, -1, -1);
+    rope_set_launch(-1, which == 10 ? 1 : -1, c->pdl);
     rope_set_flat_blocks(which == 7 ? 0 : -1);
     const int rc = (int)rope_launch(&p, &dev, st);
     rope_set_config(-1, -1, -1);
