@@ -62,13 +62,16 @@ struct TuneConfig {
 // W3 in place (GPT-J) 21.28 against 21.17, a tie, so GPT-J keeps the heads-per-thread kernel;
 // whole rotary rows in place (W1's shape) 87.6 against 83.2, so the rows kernel is not the
 // default there (kRowsDenseVariant).
-// Rows on the fly for large out neox (eighth session, tools/kernel_probe.py, probe 10 against
-// probe 0 in one process, benchmarks/h200-2026-12-01h/): W1 1.041 x copy against 1.062 with the
-// table; the flat kernel's classes lose with it (W4 1.092 against 1.057, W5 1.032 against 1.026).
+// Rows on the fly for large out neox, tried in the eighth session (benchmarks/h200-2026-12-01h/):
+// the probe (tools/kernel_probe.py, flat_steps.cu probe 10 against probe 0, one process) gave W1
+// 1.041 x copy against 1.062 with the table, but the bench with it as the default gave 85.11 us,
+// within the table's 84.44-85.14 us over the last two sessions' benches; so the table stays (as
+// in the third session's bench: 84.65 against 84.06). The flat kernel's classes lose with it in
+// the probe (W4 1.092 against 1.057, W5 1.032 against 1.026).
 // Rows no workload measured copy their nearest measured neighbour.
 TuneConfig kDefaultConfig[16] = {
     /* large out gptj */ {5, 8, 4096, 128, 0},
-    /* large out neox */ {4, 4, 2048, 256, 1},
+    /* large out neox */ {4, 4, 2048, 256, 0},
     /* large in  gptj */ {4, 4, 2048, 128, 0},
     /* large in  neox */ {7, 4, 2048, 128, 0},
     /* small out gptj */ {4, 2, 128, 256, 0},
