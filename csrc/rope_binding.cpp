@@ -356,7 +356,7 @@ const at::Tensor* exact_tensor(py::handle obj) {
 }
 
 // A BoundRope that runs only for calls whose (q, k, pos) have the metadata of the call it was
-// made from, and returns None otherwise: rope_ops.apply's guard for repeats of its last call kind.
+// made from, and returns None otherwise: rope_ops.apply's guard for repeats of a call kind.
 // It checks in C++ what the plan key checks in Python (exact tensor types, q's and k's sizes,
 // strides, dtype and device, pos's sizes, dtype and device or an int offset, no gradient needed),
 // so a repeat skips building and hashing the key. Only plans made without gradients get one.

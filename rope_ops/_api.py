@@ -56,11 +56,15 @@ def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | Non
         # bound to this call kind's constants (through autograd when a gradient is needed).
         options = (rotary_dim, style, layout, base, rope, max_position, seq_len,
                    _select.current_request(backend))
-        last = _select.last_call
-        if last is not None and last[0] == options:
-            # A repeat of the last call kind: the backend's guard checks the tensors' metadata
-            # itself (cheaper than building and hashing the key) and returns None on a change.
-            out = last[1](q, k, pos)
+        try:
+            guard = _select.guards.get(options)
+        except TypeError:  # an unhashable argument: the full path will say what is wrong
+            guard = None
+        if guard is not None:
+            # A repeat of the last call kind with these options: the backend's guard checks the
+            # tensors' metadata itself (cheaper than building and hashing the key) and returns
+            # None on a change.
+            out = guard(q, k, pos)
             if out is not None:
                 return out
         key = _plan_key(q, k, pos, options)
@@ -79,7 +83,7 @@ def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | Non
             if entry is not None:
                 plan, guard = entry
                 if guard is not None:
-                    _select.last_call = (options, guard)
+                    _select.remember_guard(options, guard)
                 if key[4] is int:  # the backend's forward, bound to this call kind's constants
                     return plan(q, k, None, pos)
                 return plan(q, k, pos, 0)

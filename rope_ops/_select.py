@@ -34,9 +34,11 @@ _cache: dict[tuple, Backend] = {}
 # (plan, guard), guard being the plan's metadata-checking form where the backend has one.
 plans: dict[tuple, tuple] = {}
 _MAX_PLANS = 4096
-# (options, guard) of the last fast-path call whose plan has a guard: a repeat of that call kind
-# skips the key (see _api.apply).
-last_call: tuple | None = None
+# The guard of the last fast-path call made with each set of apply's options (keyword arguments
+# and backend request) whose plan has one: a repeat skips the key (see _api.apply). Keyed by the
+# options, so layers that alternate frequencies (local and global RoPE) each keep theirs.
+guards: dict[tuple, object] = {}
+_MAX_GUARDS = 64
 
 
 def remember_plan(key: tuple, entry: tuple) -> None:
@@ -45,11 +47,16 @@ def remember_plan(key: tuple, entry: tuple) -> None:
     plans[key] = entry
 
 
+def remember_guard(options: tuple, guard) -> None:
+    if len(guards) >= _MAX_GUARDS and options not in guards:
+        guards.clear()
+    guards[options] = guard
+
+
 def clear_cache() -> None:
-    global last_call
     _cache.clear()
     plans.clear()
-    last_call = None
+    guards.clear()
 
 
 @contextmanager

@@ -147,8 +147,9 @@ class Backend:
         (q_out, k_out) or None`` that runs only calls with the metadata of that call (exact
         torch.Tensor types; q's and k's sizes, strides, dtype and device; pos's sizes, dtype and
         device, or an int offset in (-2**62, 2**62)) that need no gradient, and returns None for
-        any other. apply then runs repeats of its last inference call kind through it without
-        building its metadata key; it must be cheaper than that key (the CUDA backend's is C++)."""
+        any other. apply keeps the guard of its last inference call per set of keyword arguments
+        and runs repeats through it without building its metadata key; it must be cheaper than
+        that key (the CUDA backend's is C++)."""
         return None
 
     def describe(self) -> dict:

@@ -1,4 +1,5 @@
-"""rope_ops.apply's guard path: repeats of the last call kind run through the backend's guard.
+"""rope_ops.apply's guard path: a repeat of the last call kind made with the same keyword
+arguments runs through the backend's guard.
 
 The CUDA backend's guard is C++ (GuardedRope in csrc/rope_binding.cpp) and runs only on a GPU;
 here a backend with a Python guard that keeps the same contract (Backend.bind) drives the core's
@@ -12,6 +13,7 @@ import torch
 import rope_ops
 from rope_ops import _select, registry
 from rope_ops._ops import run_backend
+from rope_ops._reference import rope_reference
 from rope_ops.testing import RopeConformance
 from rope_ops_backends.torch_backend import TorchBackend
 
@@ -100,14 +102,35 @@ def test_a_guard_that_leaves_out_a_check_fails_the_repeats_test(ignore):
     assert not isinstance(failure.value, (pytest.skip.Exception, KeyboardInterrupt)), failure.value
 
 
-def test_the_last_call_is_forgotten_with_the_cache():
+def test_guards_are_forgotten_with_the_cache():
     backend = Guarding()
     with registry.override({"guarding": backend, "torch": TorchBackend()}):
         q = torch.randn(1, 3, 2, 8)
         rope_ops.apply(q, q.clone(), 0, backend="guarding")
-        assert _select.last_call is not None
+        assert _select.guards
         _select.clear_cache()
-        assert _select.last_call is None and not _select.plans
+        assert not _select.guards and not _select.plans
+
+
+def test_alternating_frequencies_each_keep_their_guard():
+    """Layers that alternate two RotaryEmbeddings (local and global RoPE, as in Gemma) each repeat
+    through their own guard, with each one's own frequencies."""
+    backend = Guarding()
+    local = rope_ops.RotaryEmbedding(16, base=10000.0, max_position=64)
+    wide = rope_ops.RotaryEmbedding(16, base=1000000.0, max_position=64)
+    gen = torch.Generator().manual_seed(5)
+    pos = torch.randint(0, 64, (2, 3), generator=gen)
+    with registry.override({"guarding": backend, "torch": TorchBackend()}):
+        for step in range(4):
+            for rope in (local, wide):
+                q = torch.randn(2, 3, 4, 16, generator=gen)
+                out, _ = rope_ops.apply(q, None, pos, rope=rope, backend="guarding")
+                ref = rope_reference(q, pos, layout="bshd", rotary_dim=16, style="neox",
+                                     inv_freq=rope.inv_freq)
+                torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+        assert len(backend.guards) == 2
+        assert all(g.hits == 3 and g.misses == 0 for g in backend.guards), \
+            [(g.hits, g.misses) for g in backend.guards]
 
 
 def test_autograd_plans_get_no_guard():
@@ -117,4 +140,4 @@ def test_autograd_plans_get_no_guard():
         for _ in range(3):
             out, _ = rope_ops.apply(q, None, 0, backend="guarding")
             assert out.grad_fn is not None
-        assert backend.guards == [] and _select.last_call is None
+        assert backend.guards == [] and not _select.guards

@@ -4,7 +4,8 @@
 
 Rows: the backend's run() alone; rope_ops.apply eager (what users call: repeats of one call kind,
 through the backend's guard where it has one); two call kinds in turn (each call misses the guard
-and takes the metadata key; per call); the same call through
+and takes the metadata key; per call); two frequency sets (RotaryEmbeddings) in turn (each
+keeps its guard; per call); the same call through
 the dispatcher (torch.ops.rope_ops.rope, as torch.compile would); apply with autograd recording
 (forward only); apply forward+backward (into leaf .grad, accumulating) and forward +
 torch.autograd.grad (q, k as activations), next to torch's own floor for the latter: an
@@ -40,6 +41,8 @@ def main() -> None:
     k = torch.randn(256, 8, 128, device=device, dtype=dtype)
     pos = torch.randint(0, 32768, (256,), device=device)
     rope = rope_ops.RotaryEmbedding(128, base=500000.0, max_position=131072, device=device)
+    # a second set of frequencies, as models that alternate local and global RoPE layers have
+    rope_local = rope_ops.RotaryEmbedding(128, base=10000.0, max_position=131072, device=device)
     name = args.backend or rope_ops.select_backend(q, k, pos, rope=rope)
     backend = registry.get(name)
     cos, sin, turns = rope.tables(device)
@@ -75,6 +78,9 @@ def main() -> None:
         "rope_ops.apply eager, two call kinds in turn": lambda: [
             rope_ops.apply(q, k, pos, rope=rope, backend=name),
             rope_ops.apply(q[:255], k[:255], pos[:255], rope=rope, backend=name)],
+        "rope_ops.apply eager, two frequency sets in turn": lambda: [
+            rope_ops.apply(q, k, pos, rope=rope, backend=name),
+            rope_ops.apply(q, k, pos, rope=rope_local, backend=name)],
         "torch.ops.rope_ops.rope (dispatcher path)": lambda: torch.ops.rope_ops.rope(
             q, k, pos, 0, None, None, rope.key, "thd", 128, False, False, name),
         "rope_ops.apply recording autograd (forward)": lambda: rope_ops.apply(qg, kg, pos, rope=rope, backend=name),
@@ -83,7 +89,8 @@ def main() -> None:
         "floor: empty autograd.Function + autograd.grad": identity_grad,
     }
     print(f"host cost per call, W2 shapes, backend {name}, device {device}, torch {torch.__version__}")
-    calls = {"rope_ops.apply eager, two call kinds in turn": 2}  # rows that make several calls
+    calls = {"rope_ops.apply eager, two call kinds in turn": 2,  # rows that make several calls
+             "rope_ops.apply eager, two frequency sets in turn": 2}
     for label, fn in rows.items():
         print(f"  {label:48s} {per_call(fn, device) / calls.get(label, 1):8.1f} us")
 
