@@ -342,15 +342,21 @@ ROPE_HD void load_cos_sin(const RopeParams& p, int64_t pos, int64_t i0, float* c
 //   SCHED_PIPE:   software pipelined in stages of ST heads: the loads of stage i+1 are issued
 //                 before the stores of stage i, so a thread always has loads in flight.
 // Cache hints (HINT): HINT_CS: q/k loads evict-first (ld.global.cs), plain stores; HINT_PLAIN:
-// plain loads and stores; HINT_CS_ST: evict-first loads and stores (st.global.cs).
+// plain loads and stores; HINT_CS_ST: evict-first loads and stores (st.global.cs); HINT_NC:
+// read-only-path loads (ld.global.nc), plain stores; HINT_NC_ST: ld.global.nc and st.global.cs.
+// ld.global.nc is safe in every kernel here, in place included: each 16-byte vector is read once,
+// by the one thread that later writes that vector's result, so the non-coherent path is never
+// asked for a value this kernel has written.
 enum { SCHED_ROUNDS = 0, SCHED_PIPE = 1 };
-enum { HINT_CS = 0, HINT_PLAIN = 1, HINT_CS_ST = 2 };
+enum { HINT_CS = 0, HINT_PLAIN = 1, HINT_CS_ST = 2, HINT_NC = 3, HINT_NC_ST = 4 };
 
 template <int HINT>
 ROPE_HD uint4 ld_data(const void* ptr) {
   const uint4* p = reinterpret_cast<const uint4*>(ptr);
   if constexpr (HINT == HINT_PLAIN) {
     return *p;
+  } else if constexpr (HINT == HINT_NC || HINT == HINT_NC_ST) {
+    return ldg_ro(p);
   } else {
     return ld_stream(p);
   }
@@ -364,7 +370,7 @@ template <int HINT>
 ROPE_HD void st_data(void* ptr, const uint4& v) {
   uint4* p = reinterpret_cast<uint4*>(ptr);
 #ifdef __CUDA_ARCH__
-  if constexpr (HINT == HINT_CS_ST) {
+  if constexpr (HINT == HINT_CS_ST || HINT == HINT_NC_ST) {
     __stcs(p, v);
   } else {
     asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
@@ -590,6 +596,11 @@ constexpr int kFlatMaxVectors = 8;          // vectors per thread: H * VPR <= 10
 constexpr int kFlatVariant = kNumVariants;  // its rope_set_config / rope_last_variant code
 static_assert(kFlatVariant == 6, "kDefaultConfig names the flat kernel as variant 6");
 constexpr int kFlatFallbackVariant = 4;     // forced flat on a call it cannot take
+// Data loads by the read-only path (ld.global.nc), stores plain. EXPERIMENT (ninth session):
+// the fifth session's probe kernel, 1.030 x copy on W4's forward against 1.045 for the same
+// kernel in tools/probes/flat_steps.cu, had `const __restrict__` pointers, so its "plain" loads
+// were LDG.E.128.CONSTANT; the steps kernel's and this kernel's were LDG.E.128 (cuobjdump).
+constexpr int kFlatHint = HINT_NC;
 
 struct FlatShape {
   int vpr_log2;     // log2 of the vectors per row (D / V)
@@ -606,7 +617,8 @@ struct FlatShape {
 // loads costs bandwidth: with uniform token strides (the common layouts) the data addresses need
 // no division, and the position and cos/sin row are fetched after the data loads are issued.
 // (H200, tools/kernel_probe.py: a 64-bit token division ahead of the loads cost 4 % on W1.)
-template <typename T, bool NEOX, bool JOINT>
+// HINT: the data loads (kFlatHint in the library; probes try others).
+template <typename T, bool NEOX, bool JOINT, int HINT>
 struct FlatThread {
   static constexpr int V = VecInfo<T>::kVec;
   static constexpr int NC = NEOX ? V : V / 2;  // cos/sin floats per vector
@@ -664,8 +676,8 @@ struct FlatThread {
 
   ROPE_HD bool has(const int j) const { return active && j < nv; }
   ROPE_HD uint4 load(const int j) const {
-    return ld_data<HINT_PLAIN>(!JOINT || j < nq ? src_a + (long long)j * V
-                                                : src_b + (long long)(j - nq) * V);
+    return ld_data<HINT>(!JOINT || j < nq ? src_a + (long long)j * V
+                                          : src_b + (long long)(j - nq) * V);
   }
 
   // After the data loads, so that they are in flight while the position arrives.
@@ -707,11 +719,11 @@ struct FlatThread {
   }
 };
 
-template <typename T, bool NEOX, int U, bool JOINT>
+template <typename T, bool NEOX, int U, bool JOINT, int HINT>
 __device__ __forceinline__ void flat_block_body(const RopeParams& p, const FlatShape& f,
                                                 const int on_the_fly) {
   const int t = threadIdx.x;
-  FlatThread<T, NEOX, JOINT> th(p, f, blockIdx.x, t);
+  FlatThread<T, NEOX, JOINT, HINT> th(p, f, blockIdx.x, t);
   uint4 v[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -740,7 +752,7 @@ __device__ __forceinline__ void flat_block_body(const RopeParams& p, const FlatS
 template <typename T, bool NEOX, int U, bool JOINT>
 __global__ void __launch_bounds__(kFlatThreads)
     rope_flat_kernel(const __grid_constant__ RopeParams p, const FlatShape f, const int on_the_fly) {
-  flat_block_body<T, NEOX, U, JOINT>(p, f, on_the_fly);
+  flat_block_body<T, NEOX, U, JOINT, kFlatHint>(p, f, on_the_fly);
 }
 
 // Whether the flat path can take p (already known to suit the fast path): see above.
@@ -808,10 +820,11 @@ template <typename T, bool NEOX, bool JOINT>
 void flat_emulate(const RopeParams& p, const FlatShape& f, const long long blocks, const bool fly) {
   for (long long bid = 0; bid < blocks; ++bid) {
     for (int w = 0; w < kFlatThreads; w += 32) {
-      FlatThread<T, NEOX, JOINT>* th[32];
-      alignas(FlatThread<T, NEOX, JOINT>) unsigned char store[32][sizeof(FlatThread<T, NEOX, JOINT>)];
+      using Thread = FlatThread<T, NEOX, JOINT, kFlatHint>;
+      Thread* th[32];
+      alignas(Thread) unsigned char store[32][sizeof(Thread)];
       for (int l = 0; l < 32; ++l) {
-        th[l] = new (store[l]) FlatThread<T, NEOX, JOINT>(p, f, bid, w + l);
+        th[l] = new (store[l]) Thread(p, f, bid, w + l);
         th[l]->load_pos(p, f);
         th[l]->load_cs(p, fly);
       }
@@ -848,6 +861,7 @@ void flat_emulate(const RopeParams& p, const FlatShape& f, const long long block
 constexpr int kRowsThreads = 256;
 constexpr int kRowsVariant = kFlatVariant + 1;  // its rope_set_config / rope_last_variant code
 constexpr int kRowsDenseVariant = 4;  // the in-place classes' choice on whole rotary rows
+constexpr int kRowsLoadHint = HINT_PLAIN;
 
 // n / d for n < 2^31 by a multiply-high and a shift (Granlund-Montgomery; exact for every such
 // n), with mul and shift computed once on the host: a thread here moves only 16-32 bytes, so
@@ -883,7 +897,8 @@ struct RowsShape {
   FastDiv div_hq, div_hk, div_s;
 };
 
-template <typename T, bool NEOX>
+// LD: the data loads' hint (kRowsLoadHint in the library; probes try others).
+template <typename T, bool NEOX, int LD>
 ROPE_HD void rows_thread(const RopeParams& p, const RowsShape& f, const long long bid, const int t,
                          const bool fly) {
   constexpr int V = VecInfo<T>::kVec;
@@ -918,9 +933,9 @@ ROPE_HD void rows_thread(const RopeParams& p, const RowsShape& f, const long lon
   const long long half = p.R >> 1;
   wait_for_previous_grid();  // the index math above overlaps the previous kernel's tail (PDL)
   const long long pos = load_position(p, b, s);
-  const uint4 va = ld_data<HINT_PLAIN>(src);
+  const uint4 va = ld_data<LD>(src);
   uint4 vb = va;
-  if (NEOX) vb = ld_data<HINT_PLAIN>(src + half);
+  if (NEOX) vb = ld_data<LD>(src + half);
   float cs[NC], sn[NC];
   load_cos_sin<NC>(p, pos, (long long)c * NC, cs, sn, fly);
   // The same math as FastThread::store (bit-equal outputs across variants). Kept written out:
@@ -952,7 +967,7 @@ ROPE_HD void rows_thread(const RopeParams& p, const RowsShape& f, const long lon
 template <typename T, bool NEOX>
 __global__ void __launch_bounds__(kRowsThreads)
     rope_rows_kernel(const __grid_constant__ RopeParams p, const RowsShape f, const int on_the_fly) {
-  rows_thread<T, NEOX>(p, f, blockIdx.x, threadIdx.x, on_the_fly != 0);
+  rows_thread<T, NEOX, kRowsLoadHint>(p, f, blockIdx.x, threadIdx.x, on_the_fly != 0);
 }
 
 // Whether the rows path can take p (already known to suit the fast path).
@@ -1133,10 +1148,52 @@ cudaError_t launch_kernel(void (*kernel)(Params...), int64_t blocks, int threads
   return cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
+// A fast-path call's class knobs and heads-per-thread geometry (the flat and rows kernels take
+// their own shapes from plan_flat / plan_rows).
+struct FastPlan {
+  TuneConfig cfg;
+  bool small;  // decode-sized: fewer than one full wave at one head per thread
+  int64_t CR, CT, hl, total, blocks;
+  int threads;
+};
+
+FastPlan plan_fast(const RopeParams& p, const int64_t V, const bool neox, const int sms) {
+  FastPlan f;
+  const int64_t tokens = p.B * p.S;
+  const int64_t Ht = p.Hq + p.Hk;
+  f.CR = neox ? (p.R / 2) / V : p.R / V;
+  const int64_t CP = (p.copy_passthrough && p.D > p.R) ? (p.D - p.R) / V : 0;
+  f.CT = f.CR + CP;
+  // Call class and its knobs (kDefaultConfig), unless rope_set_config / rope_set_launch forced
+  // some.
+  f.small = tokens * f.CT * Ht < (int64_t)sms * 2048;
+  f.cfg = effective_config(Ht >= 64, f.small, !p.copy_passthrough, neox);
+  // The rows kernel is the default only where rows have pass-through dims: on whole rotary
+  // rows in place it lost (H200, W1 in place: 86.4 us against 82.8 for variant 4).
+  if (g_variant < 0 && f.cfg.variant == kRowsVariant && p.R == p.D) f.cfg.variant = kRowsDenseVariant;
+  // Heads per thread: as many as possible (reuse of cos/sin, fewer index computations) while
+  // keeping at least cfg.min_threads_per_sm threads per SM (decode-sized calls: few threads per
+  // SM, so two heads each with the small-class rows).
+  const int64_t per_lane = tokens * f.CT;
+  const int64_t want = (int64_t)sms * f.cfg.min_threads_per_sm;
+  f.hl = Ht;
+  for (int64_t u = f.cfg.max_heads_per_thread; u >= 1; --u) {
+    const int64_t cand = (Ht + u - 1) / u;
+    if (cand * per_lane >= want || u == 1) {
+      f.hl = cand;
+      break;
+    }
+  }
+  int threads = f.cfg.block_threads;
+  f.threads = threads < 32 ? 32 : threads > kMaxThreads ? kMaxThreads : threads / 32 * 32;
+  f.total = per_lane * f.hl;
+  f.blocks = (f.total + f.threads - 1) / f.threads;
+  return f;
+}
+
 template <typename T, bool NEOX>
 cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, cudaStream_t stream,
                          bool emulate) {
-  const int64_t tokens = p.B * p.S;
   const int64_t Ht = p.Hq + p.Hk;
   const int sms = dev.num_sms > 0 ? dev.num_sms : 132;
   // PDL needs sm_90 and kernels compiled for it (the wait is compiled out below sm_90: the
@@ -1145,33 +1202,11 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
   cudaError_t err = cudaSuccess;
   if (path == 1) {
     constexpr int V = VecInfo<T>::kVec;
-    const int64_t CR = NEOX ? (p.R / 2) / V : p.R / V;
-    const int64_t CP = (p.copy_passthrough && p.D > p.R) ? (p.D - p.R) / V : 0;
-    const int64_t CT = CR + CP;
-    // Call class and its knobs (kDefaultConfig), unless rope_set_config / rope_set_launch forced
-    // some.
-    const bool small = tokens * CT * Ht < (int64_t)sms * 2048;  // decode-sized: < one full wave
-    TuneConfig cfg = effective_config(Ht >= 64, small, !p.copy_passthrough, NEOX);
-    // The rows kernel is the default only where rows have pass-through dims: on whole rotary
-    // rows in place it lost (H200, W1 in place: 86.4 us against 82.8 for variant 4).
-    if (g_variant < 0 && cfg.variant == kRowsVariant && p.R == p.D) cfg.variant = kRowsDenseVariant;
-    // Heads per thread: as many as possible (reuse of cos/sin, fewer index computations) while
-    // keeping at least cfg.min_threads_per_sm threads per SM (decode-sized calls: few threads per
-    // SM, so two heads each with the small-class rows).
-    const int64_t per_lane = tokens * CT;
-    const int64_t want = (int64_t)sms * cfg.min_threads_per_sm;
-    int64_t hl = Ht;
-    for (int64_t u = cfg.max_heads_per_thread; u >= 1; --u) {
-      const int64_t cand = (Ht + u - 1) / u;
-      if (cand * per_lane >= want || u == 1) {
-        hl = cand;
-        break;
-      }
-    }
-    int threads = cfg.block_threads;
-    threads = threads < 32 ? 32 : threads > kMaxThreads ? kMaxThreads : threads / 32 * 32;
-    const int64_t total = per_lane * hl;
-    const int64_t blocks = (total + threads - 1) / threads;
+    const FastPlan fp = plan_fast(p, V, NEOX, sms);
+    const TuneConfig& cfg = fp.cfg;
+    const bool small = fp.small;
+    const int64_t CR = fp.CR, CT = fp.CT, hl = fp.hl, total = fp.total, blocks = fp.blocks;
+    const int threads = fp.threads;
     if (CT > (1 << 30) || hl > (1 << 30) || blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
     const int fly = cfg.rows_on_the_fly != 0 ? 1 : 0;
     if (cfg.variant == kFlatVariant && flat_ok(p, V)) {
@@ -1205,7 +1240,8 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
 #ifdef ROPE_HOST_EMULATION
         if (emulate) {
           for (long long bid = 0; bid < plan.blocks; ++bid)
-            for (int t = 0; t < kRowsThreads; ++t) rows_thread<T, NEOX>(p, plan.f, bid, t, fly != 0);
+            for (int t = 0; t < kRowsThreads; ++t)
+              rows_thread<T, NEOX, kRowsLoadHint>(p, plan.f, bid, t, fly != 0);
           return cudaSuccess;
         }
 #endif
@@ -1264,7 +1300,7 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
     }
   } else {
     const int64_t per_head = p.R / 2 + ((p.copy_passthrough && p.D > p.R) ? p.D - p.R : 0);
-    const int64_t total = tokens * Ht * per_head;
+    const int64_t total = p.B * p.S * Ht * per_head;
     int64_t blocks = (total + kMaxThreads - 1) / kMaxThreads;
     const int64_t cap = (int64_t)sms * 16;
     if (blocks > cap) blocks = cap;

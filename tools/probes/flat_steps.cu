@@ -18,8 +18,10 @@ using probe_common::make_params;
 // plain loads, launched with 128 threads; LB = 256 is its launch bounds) with the library's
 // pieces switched on one by one (MAXU 4..8): POS: load_position(p, b, s) with a 64-bit token
 // decomposition; CS: load_cos_sin (table bounds, on-the-fly rows, inverse); BRANCH: the
-// reverted flat kernel's if/else per half instead of a select.
-enum { POS = 1, CS = 2, BRANCH = 4 };
+// reverted flat kernel's if/else per half instead of a select; NC: data loads by ld.global.nc
+// (what the fifth session's kernel really did: its `const __restrict__` pointers made its
+// "plain" loads LDG.E.128.CONSTANT in SASS).
+enum { POS = 1, CS = 2, BRANCH = 4, NC = 8 };
 template <int MAXU, int STEP, int LB>
 __global__ void __launch_bounds__(LB) step_kernel(const __grid_constant__ RopeParams p) {
   const long long tok = blockIdx.x >> 1;
@@ -38,7 +40,7 @@ __global__ void __launch_bounds__(LB) step_kernel(const __grid_constant__ RopePa
   uint4 v[MAXU];
 #pragma unroll
   for (int u = 0; u < MAXU; ++u)
-    if (warp_base + u * 128 < nv) v[u] = src[t + u * 128];
+    if (warp_base + u * 128 < nv) v[u] = (STEP & NC) != 0 ? __ldg(src + t + u * 128) : src[t + u * 128];
   const int c = t & 15;
   const bool first = c < 8;
   long long ps;
@@ -93,7 +95,7 @@ int launch_step(const RopeParams& p, int u, bool pdl, cudaStream_t st) {
 template <bool NEOX, int U>
 __global__ void __launch_bounds__(256)
     flat_lb256(const __grid_constant__ RopeParams p, const FlatShape f, const int on_the_fly) {
-  flat_block_body<bf16, NEOX, U, false>(p, f, on_the_fly);
+  flat_block_body<bf16, NEOX, U, false, kFlatHint>(p, f, on_the_fly);
 }
 
 // ... and with a register cap for more resident blocks: 10 blocks of 128 threads for U <= 4
@@ -101,7 +103,7 @@ __global__ void __launch_bounds__(256)
 template <bool NEOX, int U>
 __global__ void __launch_bounds__(128, U <= 4 ? 10 : 8)
     flat_capped(const __grid_constant__ RopeParams p, const FlatShape f, const int on_the_fly) {
-  flat_block_body<bf16, NEOX, U, false>(p, f, on_the_fly);
+  flat_block_body<bf16, NEOX, U, false, kFlatHint>(p, f, on_the_fly);
 }
 
 int launch_flat_bounds(const ProbeCall& c, const RopeParams& p, cudaStream_t st, bool capped) {
@@ -119,6 +121,74 @@ int launch_flat_bounds(const ProbeCall& c, const RopeParams& p, cudaStream_t st,
   return (int)launch_kernel(k, plan.blocks, kFlatThreads, c.pdl != 0, st, p, f, 0);
 }
 
+// The library's flat kernel and launch with another data-load hint (HINT_PLAIN: LDG.E.128, the
+// flat kernel's loads before the ninth session).
+template <bool NEOX, int U, bool JOINT, int HINT>
+__global__ void __launch_bounds__(kFlatThreads)
+    flat_hint(const __grid_constant__ RopeParams p, const FlatShape f, const int on_the_fly) {
+  flat_block_body<bf16, NEOX, U, JOINT, HINT>(p, f, on_the_fly);
+}
+
+template <bool NEOX, int HINT>
+int launch_flat_hint_typed(const RopeParams& p, cudaStream_t st, bool pdl) {
+  if (pick_path(&p) != 1) return 1;
+  const FastPlan fp = plan_fast(p, 8, NEOX, 132);
+  if (fp.cfg.variant != kFlatVariant || !flat_ok(p, 8)) return 1;
+  const FlatPlan plan = plan_flat(p, 8, fp.small);
+  const int u = plan.vectors_per_thread;
+  auto* k = plan.f.joint ? (u <= 2   ? flat_hint<NEOX, 2, true, HINT>
+                            : u <= 4 ? flat_hint<NEOX, 4, true, HINT>
+                            : u <= 6 ? flat_hint<NEOX, 6, true, HINT>
+                                     : flat_hint<NEOX, 8, true, HINT>)
+                         : (u <= 1   ? flat_hint<NEOX, 1, false, HINT>
+                            : u <= 2 ? flat_hint<NEOX, 2, false, HINT>
+                            : u <= 4 ? flat_hint<NEOX, 4, false, HINT>
+                                     : flat_hint<NEOX, 8, false, HINT>);
+  return (int)launch_kernel(k, plan.blocks, kFlatThreads, pdl, st, p, plan.f, 0);
+}
+
+// The library's heads-per-thread kernel (its default variant's schedule, geometry from
+// plan_fast) with ld.global.nc data loads instead of the variant's (ld.cs or plain; st.cs kept
+// where the variant has it). Only where the library's default is a heads-per-thread kernel.
+constexpr int nc_hint(int hint) { return hint == HINT_CS_ST ? HINT_NC_ST : HINT_NC; }
+
+template <bool NEOX>
+int launch_fast_nc_typed(const RopeParams& p, cudaStream_t st, bool pdl) {
+  if (pick_path(&p) != 1) return 1;
+  const FastPlan fp = plan_fast(p, 8, NEOX, 132);
+  const int v = fp.cfg.variant;
+  if (fp.hl >= p.Hq + p.Hk || v >= kFlatVariant) return 1;
+  switch (v) {
+#define NC_CASE(I)                                                                               \
+  case I:                                                                                        \
+    return (int)launch_kernel(                                                                   \
+        rope_fast_kernel<bf16, NEOX, kVariants[I].sched, kVariants[I].stage, nc_hint(kVariants[I].hint)>, \
+        fp.blocks, fp.threads, pdl, st, p, (int)fp.CR, (int)fp.CT, (int)fp.hl, (long long)fp.total, 0);
+    NC_CASE(0)
+    NC_CASE(1)
+    NC_CASE(2)
+    NC_CASE(3)
+    NC_CASE(4)
+    NC_CASE(5)
+#undef NC_CASE
+  }
+  return 1;
+}
+
+// The rows kernel (variant 7, forced) with ld.global.nc data loads.
+template <bool NEOX>
+__global__ void __launch_bounds__(kRowsThreads)
+    rows_nc(const __grid_constant__ RopeParams p, const RowsShape f, const int on_the_fly) {
+  rows_thread<bf16, NEOX, HINT_NC>(p, f, blockIdx.x, threadIdx.x, on_the_fly != 0);
+}
+
+template <bool NEOX>
+int launch_rows_nc_typed(const RopeParams& p, cudaStream_t st, bool pdl) {
+  if (pick_path(&p) != 1 || !rows_ok(p, 8, NEOX)) return 1;
+  const RowsPlan plan = plan_rows(p, 8, NEOX);
+  return (int)launch_kernel(rows_nc<NEOX>, plan.blocks, kRowsThreads, pdl, st, p, plan.f, 0);
+}
+
 const char* kNames[] = {
     "library default (rope_launch)",
     "library flat (variant 6; joint q+k blocks where they fit)",
@@ -131,6 +201,10 @@ const char* kNames[] = {
     "library flat, separate blocks, __launch_bounds__(256)",
     "library flat, separate blocks, __launch_bounds__(128, 10 or 8 blocks)",
     "library default, cos/sin rows computed on the fly (rope_set_launch rows_on_the_fly 1)",
+    "library flat where it is the default, plain data loads (LDG.E.128; before the ninth session)",
+    "steps: probe at 128 threads, ld.global.nc data loads (the fifth session's real loads)",
+    "library heads-per-thread where it is the default, ld.global.nc data loads",
+    "library rows kernel (variant 7), ld.global.nc data loads",
 };
 }  // namespace flat_probe
 using namespace flat_probe;
@@ -153,6 +227,14 @@ extern "C" int probe_launch(int which, const ProbeCall* c, void* stream) {
     return rc;
   }
   if (which == 8 || which == 9) return launch_flat_bounds(*c, p, st, which == 9);
+  const bool pdl = c->pdl != 0;
+  if (which == 11)
+    return c->interleaved ? launch_flat_hint_typed<false, HINT_PLAIN>(p, st, pdl)
+                          : launch_flat_hint_typed<true, HINT_PLAIN>(p, st, pdl);
+  if (which == 13)
+    return c->interleaved ? launch_fast_nc_typed<false>(p, st, pdl) : launch_fast_nc_typed<true>(p, st, pdl);
+  if (which == 14)
+    return c->interleaved ? launch_rows_nc_typed<false>(p, st, pdl) : launch_rows_nc_typed<true>(p, st, pdl);
   if (c->interleaved || c->R != 128 || c->D != 128 || c->inplace || c->inverse) return 1;
   const int h = c->Hq > c->Hk ? c->Hq : c->Hk;
   const int u = (h * 16 + 127) / 128;
@@ -163,6 +245,7 @@ extern "C" int probe_launch(int which, const ProbeCall* c, void* stream) {
     case 4: return launch_step<POS>(p, u, c->pdl != 0, st);
     case 5: return launch_step<POS | CS>(p, u, c->pdl != 0, st);
     case 6: return launch_step<POS | CS | BRANCH>(p, u, c->pdl != 0, st);
+    case 12: return launch_step<NC>(p, u, c->pdl != 0, st);
   }
   return -1;
 }

@@ -17,7 +17,7 @@ using probe_common::make_params;
 // Thread (row, chunk): a row is one head of one token (128 rotary bytes at pitch `pitch_vec`
 // 16-byte vectors), chunk c = its 16-byte vector 0..7. A block of 256 threads covers 32 rows per
 // step and U steps (U loads in flight per thread, then U stores).
-enum { HINT_LD_PLAIN = 0, HINT_LD_CS = 1, HINT_ST_CS = 2 };
+enum { HINT_LD_PLAIN = 0, HINT_LD_CS = 1, HINT_ST_CS = 2, HINT_LD_NC = 4 };
 struct Walk {
   uint4* q;
   uint4* k;
@@ -34,6 +34,7 @@ struct Walk {
 template <int HINT>
 __device__ __forceinline__ uint4 ld(const uint4* p) {
   if constexpr ((HINT & HINT_LD_CS) != 0) return __ldcs(p);
+  if constexpr ((HINT & HINT_LD_NC) != 0) return __ldg(p);
   return *p;
 }
 template <int HINT>
@@ -163,6 +164,9 @@ const char* kNames[] = {
     "library, one head per thread", "library, at most 2 heads per thread",
     "library, 256-thread blocks",
     "library, variant 6 (flat) forced", "library, variant 7 (rows) forced",
+    "walk 256, U=1, ld.global.nc + st.cs",
+    "walk 256, U=1, load/store only, ld.global.nc + st.cs (DIFF expected)",
+    "walk 256, U=1, load/store only, ld.global.nc (DIFF expected)",
 };
 }  // namespace strided_probe
 using namespace strided_probe;
@@ -180,7 +184,7 @@ extern "C" int probe_launch(int which, const ProbeCall* c, void* stream) {
     rope_set_launch(-1, -1, -1);
     return rc;
   }
-  if (which >= 14) {  // the library's kernels with one knob forced (any shape)
+  if (which >= 14 && which <= 24) {  // the library's kernels with one knob forced (any shape)
     const RopeParams p = make_params(*c);
     const RopeDevice dev = {132, 9};
     const int v = which <= 19 ? which - 14 : which >= 23 ? which - 17 : -1;
@@ -207,6 +211,9 @@ extern "C" int probe_launch(int which, const ProbeCall* c, void* stream) {
     case 11: return launch_walk<256, 1, HINT_LD_CS | HINT_ST_CS, false>(*c, st);
     case 12: return launch_walk<256, 1, HINT_LD_PLAIN, false>(*c, st, true);
     case 13: return launch_walk<256, 4, HINT_LD_PLAIN, true>(*c, st);
+    case 25: return launch_walk<256, 1, HINT_LD_NC | HINT_ST_CS, true>(*c, st);
+    case 26: return launch_walk<256, 1, HINT_LD_NC | HINT_ST_CS, false>(*c, st);
+    case 27: return launch_walk<256, 1, HINT_LD_NC, false>(*c, st);
   }
   return -1;
 }
