@@ -64,7 +64,7 @@ for cu in "$here"/*.cu; do
             if (kern ~ /rope_fast_kernel.*ELi1EEEv10RopeParams/) n = split("ld.global.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
             else if (kern ~ /rope_fast_kernel.*ELi2EEEv10RopeParams/) n = split("ld.global.cs.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.cs.v4", need, " ")
             else if (kern ~ /rope_fast_kernel/) n = split("ld.global.cs.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
-            else if (kern ~ /rope_flat_kernel/) n = split("ld.global.nc.v4.u32 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
+            else if (kern ~ /rope_flat_kernel/) n = split("ld.global.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
             else if (kern ~ /rope_rows_kernel/) n = split("ld.global.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.cs.v4", need, " ")
             else if (kern ~ /rope_generic_kernel/) n = split("ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.f32 st.global", need, " ")
             else n = 0

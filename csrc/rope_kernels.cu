@@ -596,11 +596,10 @@ constexpr int kFlatMaxVectors = 8;          // vectors per thread: H * VPR <= 10
 constexpr int kFlatVariant = kNumVariants;  // its rope_set_config / rope_last_variant code
 static_assert(kFlatVariant == 6, "kDefaultConfig names the flat kernel as variant 6");
 constexpr int kFlatFallbackVariant = 4;     // forced flat on a call it cannot take
-// Data loads by the read-only path (ld.global.nc), stores plain. EXPERIMENT (ninth session):
-// the fifth session's probe kernel, 1.030 x copy on W4's forward against 1.045 for the same
-// kernel in tools/probes/flat_steps.cu, had `const __restrict__` pointers, so its "plain" loads
-// were LDG.E.128.CONSTANT; the steps kernel's and this kernel's were LDG.E.128 (cuobjdump).
-constexpr int kFlatHint = HINT_NC;
+// Data loads plain (LDG.E.128). ld.global.nc (HINT_NC) timed the same on the H200 (ninth
+// session, tools/probes/flat_steps.cu probe 11 against probe 0: W4 forward 1.058 against 1.057 x
+// copy, backward 1.056 against 1.058, W5 1.027 against 1.028, W2 2.90 us both).
+constexpr int kFlatHint = HINT_PLAIN;
 
 struct FlatShape {
   int vpr_log2;     // log2 of the vectors per row (D / V)
@@ -719,15 +718,18 @@ struct FlatThread {
   }
 };
 
-template <typename T, bool NEOX, int U, bool JOINT, int HINT>
+// DIM_RT (EXPERIMENT, ninth session): the vector stride between a thread's rows taken from
+// blockDim.x (== kFlatThreads) at run time instead of the constant.
+template <typename T, bool NEOX, int U, bool JOINT, int HINT, bool DIM_RT = false>
 __device__ __forceinline__ void flat_block_body(const RopeParams& p, const FlatShape& f,
                                                 const int on_the_fly) {
   const int t = threadIdx.x;
+  const int nthreads = DIM_RT ? (int)blockDim.x : kFlatThreads;
   FlatThread<T, NEOX, JOINT, HINT> th(p, f, blockIdx.x, t);
   uint4 v[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const int j = t + u * kFlatThreads;
+    const int j = t + u * nthreads;
     v[u] = th.has(j) ? th.load(j) : make_uint4(0, 0, 0, 0);
   }
   th.load_pos(p, f);
@@ -735,8 +737,8 @@ __device__ __forceinline__ void flat_block_body(const RopeParams& p, const FlatS
   const int lane = t & 31;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const int j = t + u * kFlatThreads;
-    if ((t & ~31) + u * kFlatThreads >= th.nv) break;  // warp-uniform: shuffles need every lane
+    const int j = t + u * nthreads;
+    if ((t & ~31) + u * nthreads >= th.nv) break;  // warp-uniform: shuffles need every lane
     uint4 other = v[u];
     if constexpr (NEOX) {
       const int from = th.partner(lane);

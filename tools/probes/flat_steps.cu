@@ -84,6 +84,58 @@ __global__ void __launch_bounds__(LB) step_kernel(const __grid_constant__ RopePa
   }
 }
 
+// The sixth session's first probe 2 (1.029-1.031 x copy on W4's forward in five runs, against
+// 1.042-1.046 for step 3 in the same processes; replaced by "steps with __launch_bounds__(256)"
+// in f62cc2d): the fifth session's kernel on RopeParams, waiting first, indexed by threadIdx.x
+// and a run-time blockDim.x (launched with 128 threads). LB: launch bounds; DIM: 1 = blockDim.x,
+// 0 = the constant 128.
+template <int MAXU, int LB, int DIM>
+__global__ void __launch_bounds__(LB) sixth_probe_kernel(const __grid_constant__ RopeParams p) {
+  wait_for_previous_grid();
+  const int nthreads = DIM ? (int)blockDim.x : 128;
+  const long long tok = blockIdx.x >> 1;
+  const bool isk = blockIdx.x & 1;
+  const int nv = (int)(isk ? p.Hk : p.Hq) * 16;
+  const uint4* src = static_cast<const uint4*>(isk ? p.k : p.q) + tok * nv;
+  uint4* dst = static_cast<uint4*>(isk ? p.k_out : p.q_out) + tok * nv;
+  const int warp_base = threadIdx.x & ~31;
+  uint4 v[MAXU];
+#pragma unroll
+  for (int u = 0; u < MAXU; ++u)
+    if (warp_base + u * nthreads < nv) v[u] = src[threadIdx.x + u * nthreads];
+  const int c = threadIdx.x & 15;
+  const bool first = c < 8;
+  const long long ps = __ldg(static_cast<const long long*>(p.pos) + tok);
+  float cs[8], sn[8];
+  const float4* cp = reinterpret_cast<const float4*>(p.cos_table + ps * 64 + (c & 7) * 8);
+  const float4* sp = reinterpret_cast<const float4*>(p.sin_table + ps * 64 + (c & 7) * 8);
+  const float4 c0 = __ldg(cp), c1 = __ldg(cp + 1), s0 = __ldg(sp), s1 = __ldg(sp + 1);
+  cs[0] = c0.x; cs[1] = c0.y; cs[2] = c0.z; cs[3] = c0.w; cs[4] = c1.x; cs[5] = c1.y; cs[6] = c1.z; cs[7] = c1.w;
+  sn[0] = s0.x; sn[1] = s0.y; sn[2] = s0.z; sn[3] = s0.w; sn[4] = s1.x; sn[5] = s1.y; sn[6] = s1.z; sn[7] = s1.w;
+#pragma unroll
+  for (int u = 0; u < MAXU; ++u) {
+    if (warp_base + u * nthreads < nv) {
+      uint4 o;
+      o.x = __shfl_xor_sync(0xffffffffu, v[u].x, 8);
+      o.y = __shfl_xor_sync(0xffffffffu, v[u].y, 8);
+      o.z = __shfl_xor_sync(0xffffffffu, v[u].z, 8);
+      o.w = __shfl_xor_sync(0xffffffffu, v[u].w, 8);
+      float x[8], y[8], r[8];
+      unpack16<bf16>(v[u], x);
+      unpack16<bf16>(o, y);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) r[i] = first ? fmaf(x[i], cs[i], -y[i] * sn[i]) : fmaf(x[i], cs[i], y[i] * sn[i]);
+      dst[threadIdx.x + u * nthreads] = pack16<bf16>(r);
+    }
+  }
+}
+
+template <int LB, int DIM>
+int launch_sixth(const RopeParams& p, int u, bool pdl, cudaStream_t st) {
+  auto* k = u <= 4 ? sixth_probe_kernel<4, LB, DIM> : sixth_probe_kernel<8, LB, DIM>;
+  return (int)launch_kernel(k, p.S * 2, 128, pdl, st, p);
+}
+
 template <int STEP, int LB = 128>
 int launch_step(const RopeParams& p, int u, bool pdl, cudaStream_t st) {
   auto* k = u <= 4 ? step_kernel<4, STEP, LB> : step_kernel<8, STEP, LB>;
@@ -123,27 +175,27 @@ int launch_flat_bounds(const ProbeCall& c, const RopeParams& p, cudaStream_t st,
 
 // The library's flat kernel and launch with another data-load hint (HINT_PLAIN: LDG.E.128, the
 // flat kernel's loads before the ninth session).
-template <bool NEOX, int U, bool JOINT, int HINT>
+template <bool NEOX, int U, bool JOINT, int HINT, bool DIM_RT>
 __global__ void __launch_bounds__(kFlatThreads)
     flat_hint(const __grid_constant__ RopeParams p, const FlatShape f, const int on_the_fly) {
-  flat_block_body<bf16, NEOX, U, JOINT, HINT>(p, f, on_the_fly);
+  flat_block_body<bf16, NEOX, U, JOINT, HINT, DIM_RT>(p, f, on_the_fly);
 }
 
-template <bool NEOX, int HINT>
+template <bool NEOX, int HINT, bool DIM_RT = false>
 int launch_flat_hint_typed(const RopeParams& p, cudaStream_t st, bool pdl) {
   if (pick_path(&p) != 1) return 1;
   const FastPlan fp = plan_fast(p, 8, NEOX, 132);
   if (fp.cfg.variant != kFlatVariant || !flat_ok(p, 8)) return 1;
   const FlatPlan plan = plan_flat(p, 8, fp.small);
   const int u = plan.vectors_per_thread;
-  auto* k = plan.f.joint ? (u <= 2   ? flat_hint<NEOX, 2, true, HINT>
-                            : u <= 4 ? flat_hint<NEOX, 4, true, HINT>
-                            : u <= 6 ? flat_hint<NEOX, 6, true, HINT>
-                                     : flat_hint<NEOX, 8, true, HINT>)
-                         : (u <= 1   ? flat_hint<NEOX, 1, false, HINT>
-                            : u <= 2 ? flat_hint<NEOX, 2, false, HINT>
-                            : u <= 4 ? flat_hint<NEOX, 4, false, HINT>
-                                     : flat_hint<NEOX, 8, false, HINT>);
+  auto* k = plan.f.joint ? (u <= 2   ? flat_hint<NEOX, 2, true, HINT, DIM_RT>
+                            : u <= 4 ? flat_hint<NEOX, 4, true, HINT, DIM_RT>
+                            : u <= 6 ? flat_hint<NEOX, 6, true, HINT, DIM_RT>
+                                     : flat_hint<NEOX, 8, true, HINT, DIM_RT>)
+                         : (u <= 1   ? flat_hint<NEOX, 1, false, HINT, DIM_RT>
+                            : u <= 2 ? flat_hint<NEOX, 2, false, HINT, DIM_RT>
+                            : u <= 4 ? flat_hint<NEOX, 4, false, HINT, DIM_RT>
+                                     : flat_hint<NEOX, 8, false, HINT, DIM_RT>);
   return (int)launch_kernel(k, plan.blocks, kFlatThreads, pdl, st, p, plan.f, 0);
 }
 
@@ -201,10 +253,15 @@ const char* kNames[] = {
     "library flat, separate blocks, __launch_bounds__(256)",
     "library flat, separate blocks, __launch_bounds__(128, 10 or 8 blocks)",
     "library default, cos/sin rows computed on the fly (rope_set_launch rows_on_the_fly 1)",
-    "library flat where it is the default, plain data loads (LDG.E.128; before the ninth session)",
+    "library flat where it is the default, plain data loads (as the library; flat_hint instantiation)",
     "steps: probe at 128 threads, ld.global.nc data loads (the fifth session's real loads)",
     "library heads-per-thread where it is the default, ld.global.nc data loads",
     "library rows kernel (variant 7), ld.global.nc data loads",
+    "sixth session's probe 2: 5th-session kernel on RopeParams, blockDim.x indexing, launch bounds 256",
+    "  the same, launch bounds 128",
+    "  the same, launch bounds 256, constant 128 instead of blockDim.x",
+    "library flat where it is the default, run-time blockDim.x as the row stride (DIM_RT)",
+    "library flat where it is the default, ld.global.nc data loads",
 };
 }  // namespace flat_probe
 using namespace flat_probe;
@@ -231,6 +288,12 @@ extern "C" int probe_launch(int which, const ProbeCall* c, void* stream) {
   if (which == 11)
     return c->interleaved ? launch_flat_hint_typed<false, HINT_PLAIN>(p, st, pdl)
                           : launch_flat_hint_typed<true, HINT_PLAIN>(p, st, pdl);
+  if (which == 18)
+    return c->interleaved ? launch_flat_hint_typed<false, HINT_PLAIN, true>(p, st, pdl)
+                          : launch_flat_hint_typed<true, HINT_PLAIN, true>(p, st, pdl);
+  if (which == 19)
+    return c->interleaved ? launch_flat_hint_typed<false, HINT_NC>(p, st, pdl)
+                          : launch_flat_hint_typed<true, HINT_NC>(p, st, pdl);
   if (which == 13)
     return c->interleaved ? launch_fast_nc_typed<false>(p, st, pdl) : launch_fast_nc_typed<true>(p, st, pdl);
   if (which == 14)
@@ -246,6 +309,9 @@ extern "C" int probe_launch(int which, const ProbeCall* c, void* stream) {
     case 5: return launch_step<POS | CS>(p, u, c->pdl != 0, st);
     case 6: return launch_step<POS | CS | BRANCH>(p, u, c->pdl != 0, st);
     case 12: return launch_step<NC>(p, u, c->pdl != 0, st);
+    case 15: return launch_sixth<256, 1>(p, u, c->pdl != 0, st);
+    case 16: return launch_sixth<128, 1>(p, u, c->pdl != 0, st);
+    case 17: return launch_sixth<256, 0>(p, u, c->pdl != 0, st);
   }
   return -1;
 }
