@@ -12,6 +12,7 @@
 #include <string.h>
 #ifdef ROPE_HOST_EMULATION
 #include <new>
+#include <type_traits>
 #endif
 
 // Every per-thread function is __host__ __device__: the kernels are thin loops around them, and
@@ -119,6 +120,31 @@ ROPE_HD void wait_for_previous_grid() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// a if c else b, as a select of two values already in registers. Written as PTX because nvcc
+// turns `c ? p.q : p.k` on kernel parameters into one constant-bank load at a computed offset
+// (SASS `LDC R, c[0x0][R+...]`); chains of those sat ahead of the flat kernel's first data load.
+ROPE_HD int64_t select64(const bool c, const int64_t a, const int64_t b) {
+#ifdef __CUDA_ARCH__
+  int64_t r;
+  asm("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %3, 0;\n\tselp.b64 %0, %1, %2, q;\n\t}"
+      : "=l"(r)
+      : "l"(a), "l"(b), "r"((int)c));
+  return r;
+#else
+  return c ? a : b;
+#endif
+}
+
+// a if c else b, for pointers: a plus a selected byte offset, so that the result still derives
+// from a kernel-parameter pointer and nvcc keeps global loads and stores (LDG/STG; a pointer
+// made from an integer gets generic LD/ST).
+template <typename P>
+ROPE_HD P* select_ptr(const bool c, P* a, P* b) {
+  using Byte = typename std::conditional<std::is_const<P>::value, const char, char>::type;
+  const int64_t off = select64(c, 0, (int64_t)((uintptr_t)b - (uintptr_t)a));
+  return reinterpret_cast<P*>(reinterpret_cast<Byte*>(a) + off);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -617,7 +643,9 @@ struct FlatShape {
 // no division, and the position and cos/sin row are fetched after the data loads are issued.
 // (H200, tools/kernel_probe.py: a 64-bit token division ahead of the loads cost 4 % on W1.)
 // HINT: the data loads (kFlatHint in the library; probes try others).
-template <typename T, bool NEOX, bool JOINT, int HINT>
+// SEL (EXPERIMENT, ninth session): q/k pointers and strides chosen by select64 (true) or by `?:`
+// on the parameters (false: the kernel before).
+template <typename T, bool NEOX, bool JOINT, int HINT, bool SEL = true>
 struct FlatThread {
   static constexpr int V = VecInfo<T>::kVec;
   static constexpr int NC = NEOX ? V : V / 2;  // cos/sin floats per vector
@@ -639,7 +667,11 @@ struct FlatThread {
     constexpr bool joint = JOINT;
     const bool isq = joint || (f.both ? (bid & 1) == 0 : p.Hq > 0);
     tok = joint || !f.both ? bid : bid >> 1;
-    nq = (int)(isq ? p.Hq : p.Hk) << f.vpr_log2;
+    if constexpr (SEL) {
+      nq = (int)select64(isq, p.Hq, p.Hk) << f.vpr_log2;
+    } else {
+      nq = (int)(isq ? p.Hq : p.Hk) << f.vpr_log2;
+    }
     nv = joint ? nq + ((int)p.Hk << f.vpr_log2) : nq;
     c = t & ((1 << f.vpr_log2) - 1);
     half = f.rot >> 1;
@@ -649,8 +681,17 @@ struct FlatThread {
     if (!f.tok_uniform) split_token(p, f.tok32 != 0, tok, b, s);
     // token offset: tok * stride[1] when uniform (no division ahead of the loads)
     const auto at = [&](const int64_t* st) { return f.tok_uniform ? tok * st[1] : b * st[0] + s * st[1]; };
-    src_a = static_cast<const T*>(isq ? p.q : p.k) + at(isq ? p.q_stride : p.k_stride);
-    dst_a = static_cast<T*>(isq ? p.q_out : p.k_out) + at(isq ? p.q_out_stride : p.k_out_stride);
+    if constexpr (SEL) {
+      const auto at_sel = [&](const int64_t* qs, const int64_t* ks) {
+        const int64_t s1 = select64(isq, qs[1], ks[1]);
+        return f.tok_uniform ? tok * s1 : b * select64(isq, qs[0], ks[0]) + s * s1;
+      };
+      src_a = static_cast<const T*>(select_ptr(isq, p.q, p.k)) + at_sel(p.q_stride, p.k_stride);
+      dst_a = static_cast<T*>(select_ptr(isq, p.q_out, p.k_out)) + at_sel(p.q_out_stride, p.k_out_stride);
+    } else {
+      src_a = static_cast<const T*>(isq ? p.q : p.k) + at(isq ? p.q_stride : p.k_stride);
+      dst_a = static_cast<T*>(isq ? p.q_out : p.k_out) + at(isq ? p.q_out_stride : p.k_out_stride);
+    }
     src_b = src_a;
     dst_b = dst_a;
     if (joint) {
@@ -718,14 +759,12 @@ struct FlatThread {
   }
 };
 
-// DIM_RT (EXPERIMENT, ninth session): the vector stride between a thread's rows taken from
-// blockDim.x (== kFlatThreads) at run time instead of the constant.
-template <typename T, bool NEOX, int U, bool JOINT, int HINT, bool DIM_RT = false>
+template <typename T, bool NEOX, int U, bool JOINT, int HINT, bool SEL = true>
 __device__ __forceinline__ void flat_block_body(const RopeParams& p, const FlatShape& f,
                                                 const int on_the_fly) {
   const int t = threadIdx.x;
-  const int nthreads = DIM_RT ? (int)blockDim.x : kFlatThreads;
-  FlatThread<T, NEOX, JOINT, HINT> th(p, f, blockIdx.x, t);
+  constexpr int nthreads = kFlatThreads;
+  FlatThread<T, NEOX, JOINT, HINT, SEL> th(p, f, blockIdx.x, t);
   uint4 v[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {

@@ -175,27 +175,27 @@ int launch_flat_bounds(const ProbeCall& c, const RopeParams& p, cudaStream_t st,
 
 // The library's flat kernel and launch with another data-load hint (HINT_PLAIN: LDG.E.128, the
 // flat kernel's loads before the ninth session).
-template <bool NEOX, int U, bool JOINT, int HINT, bool DIM_RT>
+template <bool NEOX, int U, bool JOINT, int HINT, bool SEL>
 __global__ void __launch_bounds__(kFlatThreads)
     flat_hint(const __grid_constant__ RopeParams p, const FlatShape f, const int on_the_fly) {
-  flat_block_body<bf16, NEOX, U, JOINT, HINT, DIM_RT>(p, f, on_the_fly);
+  flat_block_body<bf16, NEOX, U, JOINT, HINT, SEL>(p, f, on_the_fly);
 }
 
-template <bool NEOX, int HINT, bool DIM_RT = false>
+template <bool NEOX, int HINT, bool SEL = true>
 int launch_flat_hint_typed(const RopeParams& p, cudaStream_t st, bool pdl) {
   if (pick_path(&p) != 1) return 1;
   const FastPlan fp = plan_fast(p, 8, NEOX, 132);
   if (fp.cfg.variant != kFlatVariant || !flat_ok(p, 8)) return 1;
   const FlatPlan plan = plan_flat(p, 8, fp.small);
   const int u = plan.vectors_per_thread;
-  auto* k = plan.f.joint ? (u <= 2   ? flat_hint<NEOX, 2, true, HINT, DIM_RT>
-                            : u <= 4 ? flat_hint<NEOX, 4, true, HINT, DIM_RT>
-                            : u <= 6 ? flat_hint<NEOX, 6, true, HINT, DIM_RT>
-                                     : flat_hint<NEOX, 8, true, HINT, DIM_RT>)
-                         : (u <= 1   ? flat_hint<NEOX, 1, false, HINT, DIM_RT>
-                            : u <= 2 ? flat_hint<NEOX, 2, false, HINT, DIM_RT>
-                            : u <= 4 ? flat_hint<NEOX, 4, false, HINT, DIM_RT>
-                                     : flat_hint<NEOX, 8, false, HINT, DIM_RT>);
+  auto* k = plan.f.joint ? (u <= 2   ? flat_hint<NEOX, 2, true, HINT, SEL>
+                            : u <= 4 ? flat_hint<NEOX, 4, true, HINT, SEL>
+                            : u <= 6 ? flat_hint<NEOX, 6, true, HINT, SEL>
+                                     : flat_hint<NEOX, 8, true, HINT, SEL>)
+                         : (u <= 1   ? flat_hint<NEOX, 1, false, HINT, SEL>
+                            : u <= 2 ? flat_hint<NEOX, 2, false, HINT, SEL>
+                            : u <= 4 ? flat_hint<NEOX, 4, false, HINT, SEL>
+                                     : flat_hint<NEOX, 8, false, HINT, SEL>);
   return (int)launch_kernel(k, plan.blocks, kFlatThreads, pdl, st, p, plan.f, 0);
 }
 
@@ -260,7 +260,7 @@ const char* kNames[] = {
     "sixth session's probe 2: 5th-session kernel on RopeParams, blockDim.x indexing, launch bounds 256",
     "  the same, launch bounds 128",
     "  the same, launch bounds 256, constant 128 instead of blockDim.x",
-    "library flat where it is the default, run-time blockDim.x as the row stride (DIM_RT)",
+    "library flat where it is the default, q/k chosen by ?: on the parameters (SEL false: before 9th session)",
     "library flat where it is the default, ld.global.nc data loads",
 };
 }  // namespace flat_probe
@@ -289,8 +289,8 @@ extern "C" int probe_launch(int which, const ProbeCall* c, void* stream) {
     return c->interleaved ? launch_flat_hint_typed<false, HINT_PLAIN>(p, st, pdl)
                           : launch_flat_hint_typed<true, HINT_PLAIN>(p, st, pdl);
   if (which == 18)
-    return c->interleaved ? launch_flat_hint_typed<false, HINT_PLAIN, true>(p, st, pdl)
-                          : launch_flat_hint_typed<true, HINT_PLAIN, true>(p, st, pdl);
+    return c->interleaved ? launch_flat_hint_typed<false, HINT_PLAIN, false>(p, st, pdl)
+                          : launch_flat_hint_typed<true, HINT_PLAIN, false>(p, st, pdl);
   if (which == 19)
     return c->interleaved ? launch_flat_hint_typed<false, HINT_NC>(p, st, pdl)
                           : launch_flat_hint_typed<true, HINT_NC>(p, st, pdl);
