@@ -938,8 +938,9 @@ struct RowsShape {
   FastDiv div_hq, div_hk, div_s;
 };
 
-// LD: the data loads' hint (kRowsLoadHint in the library; probes try others).
-template <typename T, bool NEOX, int LD>
+// LD: the data loads' hint (kRowsLoadHint in the library; probes try others). SEL (EXPERIMENT,
+// ninth session): q or k's pointers and strides by select64 (as the flat kernel), or by ?:.
+template <typename T, bool NEOX, int LD, bool SEL = true>
 ROPE_HD void rows_thread(const RopeParams& p, const RowsShape& f, const long long bid, const int t,
                          const bool fly) {
   constexpr int V = VecInfo<T>::kVec;
@@ -959,17 +960,26 @@ ROPE_HD void rows_thread(const RopeParams& p, const RowsShape& f, const long lon
     s = tok - b * p.S;
   }
   const long long d0 = (long long)c * V;
-  const T* src = static_cast<const T*>(isq ? p.q : p.k) + d0;
-  T* dst = static_cast<T*>(isq ? p.q_out : p.k_out) + d0;
+  const T* src = static_cast<const T*>(SEL ? select_ptr(isq, p.q, p.k) : isq ? p.q : p.k) + d0;
+  T* dst = static_cast<T*>(SEL ? select_ptr(isq, p.q_out, p.k_out) : isq ? p.q_out : p.k_out) + d0;
   if (f.uniform) {
     src += row * (isq ? f.pitch[0] : f.pitch[2]);  // (a computed index would copy f to the stack)
     dst += row * (isq ? f.pitch[1] : f.pitch[3]);
   } else {
     const long long h = row - tok * H;
-    const int64_t* st = isq ? p.q_stride : p.k_stride;
-    const int64_t* sto = isq ? p.q_out_stride : p.k_out_stride;
-    src += b * st[0] + s * st[1] + h * st[2];
-    dst += b * sto[0] + s * sto[1] + h * sto[2];
+    if constexpr (SEL) {
+      const auto off = [&](const int64_t* qs, const int64_t* ks) {
+        return b * select64(isq, qs[0], ks[0]) + s * select64(isq, qs[1], ks[1]) +
+               h * select64(isq, qs[2], ks[2]);
+      };
+      src += off(p.q_stride, p.k_stride);
+      dst += off(p.q_out_stride, p.k_out_stride);
+    } else {
+      const int64_t* st = isq ? p.q_stride : p.k_stride;
+      const int64_t* sto = isq ? p.q_out_stride : p.k_out_stride;
+      src += b * st[0] + s * st[1] + h * st[2];
+      dst += b * sto[0] + s * sto[1] + h * sto[2];
+    }
   }
   const long long half = p.R >> 1;
   wait_for_previous_grid();  // the index math above overlaps the previous kernel's tail (PDL)

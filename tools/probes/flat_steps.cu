@@ -227,18 +227,18 @@ int launch_fast_nc_typed(const RopeParams& p, cudaStream_t st, bool pdl) {
   return 1;
 }
 
-// The rows kernel (variant 7, forced) with ld.global.nc data loads.
-template <bool NEOX>
+// The rows kernel (variant 7, forced) with another data-load hint or q/k choice.
+template <bool NEOX, int LD, bool SEL>
 __global__ void __launch_bounds__(kRowsThreads)
-    rows_nc(const __grid_constant__ RopeParams p, const RowsShape f, const int on_the_fly) {
-  rows_thread<bf16, NEOX, HINT_NC>(p, f, blockIdx.x, threadIdx.x, on_the_fly != 0);
+    rows_probe(const __grid_constant__ RopeParams p, const RowsShape f, const int on_the_fly) {
+  rows_thread<bf16, NEOX, LD, SEL>(p, f, blockIdx.x, threadIdx.x, on_the_fly != 0);
 }
 
-template <bool NEOX>
-int launch_rows_nc_typed(const RopeParams& p, cudaStream_t st, bool pdl) {
+template <bool NEOX, int LD, bool SEL>
+int launch_rows_probe_typed(const RopeParams& p, cudaStream_t st, bool pdl) {
   if (pick_path(&p) != 1 || !rows_ok(p, 8, NEOX)) return 1;
   const RowsPlan plan = plan_rows(p, 8, NEOX);
-  return (int)launch_kernel(rows_nc<NEOX>, plan.blocks, kRowsThreads, pdl, st, p, plan.f, 0);
+  return (int)launch_kernel(rows_probe<NEOX, LD, SEL>, plan.blocks, kRowsThreads, pdl, st, p, plan.f, 0);
 }
 
 const char* kNames[] = {
@@ -262,6 +262,8 @@ const char* kNames[] = {
     "  the same, launch bounds 256, constant 128 instead of blockDim.x",
     "library flat where it is the default, q/k chosen by ?: on the parameters (SEL false: before 9th session)",
     "library flat where it is the default, ld.global.nc data loads",
+    "library rows kernel (variant 7) forced, q/k chosen by ?: (SEL false: before the ninth session)",
+    "library rows kernel (variant 7) forced, q/k chosen by select64 (as the library now)",
 };
 }  // namespace flat_probe
 using namespace flat_probe;
@@ -297,7 +299,16 @@ extern "C" int probe_launch(int which, const ProbeCall* c, void* stream) {
   if (which == 13)
     return c->interleaved ? launch_fast_nc_typed<false>(p, st, pdl) : launch_fast_nc_typed<true>(p, st, pdl);
   if (which == 14)
-    return c->interleaved ? launch_rows_nc_typed<false>(p, st, pdl) : launch_rows_nc_typed<true>(p, st, pdl);
+    return c->interleaved ? launch_rows_probe_typed<false, HINT_NC, true>(p, st, pdl)
+                          : launch_rows_probe_typed<true, HINT_NC, true>(p, st, pdl);
+  if (which == 20 || which == 21) {
+    const bool sel = which == 21;
+    if (c->interleaved)
+      return sel ? launch_rows_probe_typed<false, kRowsLoadHint, true>(p, st, pdl)
+                 : launch_rows_probe_typed<false, kRowsLoadHint, false>(p, st, pdl);
+    return sel ? launch_rows_probe_typed<true, kRowsLoadHint, true>(p, st, pdl)
+               : launch_rows_probe_typed<true, kRowsLoadHint, false>(p, st, pdl);
+  }
   if (c->interleaved || c->R != 128 || c->D != 128 || c->inplace || c->inverse) return 1;
   const int h = c->Hq > c->Hk ? c->Hq : c->Hk;
   const int u = (h * 16 + 127) / 128;
