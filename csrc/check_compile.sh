@@ -65,6 +65,7 @@ for cu in "$here"/*.cu; do
             else if (kern ~ /rope_fast_kernel.*ELi2EEEv10RopeParams/) n = split("ld.global.cs.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.cs.v4", need, " ")
             else if (kern ~ /rope_fast_kernel/) n = split("ld.global.cs.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
             else if (kern ~ /rope_flat_kernel/) n = split("ld.global.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
+            else if (kern ~ /rope_lean_kernel/) n = split("ld.global.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
             else if (kern ~ /rope_rows_kernel/) n = split("ld.global.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.cs.v4", need, " ")
             else if (kern ~ /rope_generic_kernel/) n = split("ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.f32 st.global", need, " ")
             else n = 0
@@ -72,7 +73,7 @@ for cu in "$here"/*.cu; do
             if (index(body, "call") != 0 && kern ~ /rope_/) { print "unexpected call in " kern; bad = 1 }
             # data moves as 16-byte vectors only: nvcc once split a plain uint4 store into four
             # 32-bit stores in the flat kernel (3-4 % slower on the H200), with no warning
-            if (kern ~ /rope_(fast|flat|rows)_kernel/ && body ~ /st\.global(\.wb|\.cs)?\.(u|b)32/) { print "32-bit stores in " kern; bad = 1 }
+            if (kern ~ /rope_(fast|flat|rows|lean)_kernel/ && body ~ /st\.global(\.wb|\.cs)?\.(u|b)32/) { print "32-bit stores in " kern; bad = 1 }
           }
           /^[.a-z ]*\.entry / { check(); kern = $0; body = ""; next }
           { body = body "\n" $0 }

@@ -99,6 +99,8 @@ int g_min_threads_per_sm = -1;
 int g_block_threads = -1;
 int g_rows_on_the_fly = -1;
 int g_flat_joint = -1;  // flat path: 0 = separate q and k blocks, 1 = joint where they fit, -1 = auto
+int g_flat_lean = -1;   // flat path's lean kernel: 0 = never, -1 = where it can take the call and
+                        // the call is not decode-sized, 1 = wherever it can take the call (tests)
 int g_last_variant = -2;  // variant of the last fast-path launch (-1: one head per thread)
 
 TuneConfig effective_config(bool many, bool small, bool inplace, bool neox) {
@@ -645,7 +647,7 @@ struct FlatShape {
 // HINT: the data loads (kFlatHint in the library; probes try others).
 // SEL (EXPERIMENT, ninth session): q/k pointers and strides chosen by select64 (true) or by `?:`
 // on the parameters (false: the kernel before).
-template <typename T, bool NEOX, bool JOINT, int HINT, bool SEL = true>
+template <typename T, bool NEOX, bool JOINT, int HINT, bool SEL = false>
 struct FlatThread {
   static constexpr int V = VecInfo<T>::kVec;
   static constexpr int NC = NEOX ? V : V / 2;  // cos/sin floats per vector
@@ -759,7 +761,7 @@ struct FlatThread {
   }
 };
 
-template <typename T, bool NEOX, int U, bool JOINT, int HINT, bool SEL = true>
+template <typename T, bool NEOX, int U, bool JOINT, int HINT, bool SEL = false>
 __device__ __forceinline__ void flat_block_body(const RopeParams& p, const FlatShape& f,
                                                 const int on_the_fly) {
   const int t = threadIdx.x;
@@ -886,6 +888,127 @@ void flat_emulate(const RopeParams& p, const FlatShape& f, const long long block
 #endif
 
 // ------------------------------------------------------------------------------------------------
+// Lean flat path (ninth session): the flat path's common case written as the sixth session's
+// probe kernel was, with only the generality that case needs. Taken instead of the flat kernel
+// when whole rows rotate (R == D) with NeoX pairs, every tensor is dense [tokens, H, D] (token
+// t's rows of a tensor at t * H * D, so block addresses need no strides), positions are uniform
+// (one per token, evenly spaced, or an offset with B == 1) and the call is not decode-sized
+// (decode keeps the flat kernel's joint q + k blocks). One block of kLeanThreads per token's q
+// or k rows; thread t owns vector c = t % VPR of rows t / VPR + u * kLeanThreads / VPR, so one
+// position and one cos/sin chunk (load_cos_sin: table bounds, rows past the table, inverse);
+// the other halves of its pairs come from lane c ^ VPR / 2 by a shuffle.
+// Why (H200, tools/probes/flat_steps.cu, one process each): the probe kernel ran W4's forward
+// at 1.027-1.030 x copy and W1 at 1.041-1.043 in three runs, against 1.052-1.055 and
+// 1.061-1.068 for the library's kernels; the same source with the row stride a compile-time 128
+// instead of blockDim.x ran 1.044-1.046 and 1.059-1.062, which is why `nthreads` below is read
+// at run time. (Its SASS differs in scheduling only; the cause is not known.)
+constexpr int kLeanThreads = 128;
+constexpr int kLeanVariant = kFlatVariant + 2;  // its rope_last_variant code (part of variant 6)
+
+struct LeanShape {
+  int vpr_log2;  // log2 of the vectors per row (D / V), 1..5
+  int both;      // q and k present: even blocks do q, odd blocks k
+};
+
+template <typename T, int U>
+__global__ void __launch_bounds__(2 * kLeanThreads)
+    rope_lean_kernel(const __grid_constant__ RopeParams p, const LeanShape f) {
+  constexpr int V = VecInfo<T>::kVec;
+  wait_for_previous_grid();
+  const int nthreads = (int)blockDim.x;  // == kLeanThreads; see above
+  const long long tok = f.both ? (long long)(blockIdx.x >> 1) : (long long)blockIdx.x;
+  const bool isk = f.both ? (blockIdx.x & 1) != 0 : p.Hq == 0;
+  const int nv = (int)(isk ? p.Hk : p.Hq) << f.vpr_log2;
+  const uint4* src = static_cast<const uint4*>(isk ? p.k : p.q) + tok * nv;
+  uint4* dst = static_cast<uint4*>(isk ? p.k_out : p.q_out) + tok * nv;
+  const int t = (int)threadIdx.x;
+  const int warp_base = t & ~31;
+  uint4 v[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (warp_base + u * nthreads < nv) v[u] = src[t + u * nthreads];
+  const int half = 1 << (f.vpr_log2 - 1);
+  const int c = t & ((2 * half) - 1);
+  const bool first = c < half;
+  const long long pos = load_position(p, 0, tok);
+  float cs[V], sn[V];
+  load_cos_sin<V>(p, pos, (long long)(c & (half - 1)) * V, cs, sn);
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (warp_base + u * nthreads < nv) {  // warp-uniform: the shuffles need every lane
+      uint4 o;
+      o.x = __shfl_xor_sync(0xffffffffu, v[u].x, half);
+      o.y = __shfl_xor_sync(0xffffffffu, v[u].y, half);
+      o.z = __shfl_xor_sync(0xffffffffu, v[u].z, half);
+      o.w = __shfl_xor_sync(0xffffffffu, v[u].w, half);
+      float x[V], y[V], r[V];
+      unpack16<T>(v[u], x);
+      unpack16<T>(o, y);
+      // first half: x c - y s; second: x c + y s (as the flat kernel's negated sin: same bits)
+#pragma unroll
+      for (int i = 0; i < V; ++i) r[i] = first ? fmaf(x[i], cs[i], -y[i] * sn[i]) : fmaf(x[i], cs[i], y[i] * sn[i]);
+      dst[t + u * nthreads] = pack16<T>(r);
+    }
+  }
+}
+
+// Whether the lean path can take p (already known to suit the fast path); see above.
+bool lean_ok(const RopeParams& p, const int64_t V, const bool small) {
+  if (small || p.interleaved || p.R != p.D || p.D % V != 0) return false;
+  const int64_t vpr = p.D / V;
+  if (vpr < 2 || vpr > 32 || (vpr & (vpr - 1)) != 0) return false;
+  if ((p.Hq > p.Hk ? p.Hq : p.Hk) * vpr > (int64_t)kLeanThreads * kFlatMaxVectors) return false;
+  // whole warps of vectors: a warp loads, shuffles and stores all or nothing
+  if ((p.Hq * vpr) % 32 != 0 || (p.Hk * vpr) % 32 != 0) return false;
+  const auto dense = [&](const int64_t* st, const int64_t H) {
+    return (H <= 1 || st[2] == p.D) && (p.S <= 1 || st[1] == H * p.D) && (p.B <= 1 || st[0] == p.S * H * p.D);
+  };
+  if (p.Hq > 0 && (!dense(p.q_stride, p.Hq) || !dense(p.q_out_stride, p.Hq))) return false;
+  if (p.Hk > 0 && (!dense(p.k_stride, p.Hk) || !dense(p.k_out_stride, p.Hk))) return false;
+  // one position per token at tok * pos_stride_s (or pos_offset + tok)
+  if (p.B > 1 && (p.pos_kind == ROPE_POS_OFFSET || p.pos_stride_b != p.S * p.pos_stride_s)) return false;
+  const bool both = p.Hq > 0 && p.Hk > 0;
+  return p.B * p.S * (both ? 2 : 1) <= 0x7fffffffLL;
+}
+
+LeanShape plan_lean(const RopeParams& p, const int64_t V) {
+  int vpr_log2 = 0;
+  while ((V << vpr_log2) < p.D) ++vpr_log2;
+  return {vpr_log2, (p.Hq > 0 && p.Hk > 0) ? 1 : 0};
+}
+
+#ifdef ROPE_HOST_EMULATION
+// The lean kernel on the host: block by block, warp by warp, all lanes' loads before any shuffle.
+template <typename T>
+void lean_emulate(const RopeParams& p, const LeanShape& f, const long long blocks) {
+  constexpr int V = VecInfo<T>::kVec;
+  for (long long bid = 0; bid < blocks; ++bid) {
+    const long long tok = f.both ? bid >> 1 : bid;
+    const bool isk = f.both ? (bid & 1) != 0 : p.Hq == 0;
+    const int nv = (int)(isk ? p.Hk : p.Hq) << f.vpr_log2;
+    const uint4* src = static_cast<const uint4*>(isk ? p.k : p.q) + tok * nv;
+    uint4* dst = static_cast<uint4*>(isk ? p.k_out : p.q_out) + tok * nv;
+    const int half = 1 << (f.vpr_log2 - 1);
+    const long long pos = load_position(p, 0, tok);
+    for (int base = 0; base < nv; base += 32) {  // one warp's vectors of one u
+      uint4 v[32];
+      for (int l = 0; l < 32 && base + l < nv; ++l) v[l] = src[base + l];
+      for (int l = 0; l < 32 && base + l < nv; ++l) {
+        const int c = (base + l) & (2 * half - 1);
+        float cs[V], sn[V], x[V], y[V], r[V];
+        load_cos_sin<V>(p, pos, (long long)(c & (half - 1)) * V, cs, sn);
+        unpack16<T>(v[l], x);
+        unpack16<T>(v[l ^ half], y);
+        for (int i = 0; i < V; ++i)
+          r[i] = c < half ? fmaf(x[i], cs[i], -y[i] * sn[i]) : fmaf(x[i], cs[i], y[i] * sn[i]);
+        dst[base + l] = pack16<T>(r);
+      }
+    }
+  }
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------
 // Rows path: calls that write only the rotary dims (in place: copy_passthrough == 0). A row is
 // one head of one token; the block's threads cover the rotary vectors of kRowsThreads / TPR
 // consecutive rows (TPR threads per row, a power of two: R / V for GPT-J, R / 2V for NeoX, whose
@@ -940,7 +1063,7 @@ struct RowsShape {
 
 // LD: the data loads' hint (kRowsLoadHint in the library; probes try others). SEL (EXPERIMENT,
 // ninth session): q or k's pointers and strides by select64 (as the flat kernel), or by ?:.
-template <typename T, bool NEOX, int LD, bool SEL = true>
+template <typename T, bool NEOX, int LD, bool SEL = false>
 ROPE_HD void rows_thread(const RopeParams& p, const RowsShape& f, const long long bid, const int t,
                          const bool fly) {
   constexpr int V = VecInfo<T>::kVec;
@@ -1262,6 +1385,25 @@ cudaError_t launch_typed(const RopeParams& p, int path, const RopeDevice& dev, c
     const int fly = cfg.rows_on_the_fly != 0 ? 1 : 0;
     if (cfg.variant == kFlatVariant && flat_ok(p, V)) {
       g_last_variant = kFlatVariant;
+      if (fly == 0 && g_flat_lean != 0 && g_flat_joint <= 0 && lean_ok(p, V, small && g_flat_lean < 0)) {
+        g_last_variant = kLeanVariant;
+        const LeanShape f = plan_lean(p, V);
+        const int64_t lean_blocks = p.B * p.S * (f.both ? 2 : 1);
+#ifdef ROPE_HOST_EMULATION
+        if (emulate) {
+          lean_emulate<T>(p, f, lean_blocks);
+          return cudaSuccess;
+        }
+#endif
+        const int64_t most = (p.Hq > p.Hk ? p.Hq : p.Hk) << f.vpr_log2;
+        const int64_t u = (most + kLeanThreads - 1) / kLeanThreads;
+        auto* kernel = u <= 1 ? rope_lean_kernel<T, 1>
+                       : u <= 2 ? rope_lean_kernel<T, 2>
+                       : u <= 4 ? rope_lean_kernel<T, 4>
+                                : rope_lean_kernel<T, 8>;
+        err = launch_kernel(kernel, lean_blocks, kLeanThreads, pdl, stream, p, f);
+        return err != cudaSuccess ? err : cudaGetLastError();
+      }
       const FlatPlan plan = plan_flat(p, V, small);
       const FlatShape& f = plan.f;
       const bool joint = f.joint != 0;
@@ -1434,12 +1576,14 @@ extern "C" void rope_set_launch(int block_threads, int rows_on_the_fly, int pdl)
 }
 
 extern "C" void rope_set_flat_blocks(int joint) { rope_ops_cuda::g_flat_joint = joint; }
+extern "C" void rope_set_flat_lean(int lean) { rope_ops_cuda::g_flat_lean = lean; }
 
 extern "C" int rope_num_variants(void) { return rope_ops_cuda::kRowsVariant + 1; }
 
 extern "C" const char* rope_variant_name(int variant) {
   if (variant == rope_ops_cuda::kFlatVariant) return "flat (a block per token's q or k)";
   if (variant == rope_ops_cuda::kRowsVariant) return "rows (the rotary vectors of consecutive rows; in place)";
+  if (variant == rope_ops_cuda::kLeanVariant) return "lean flat (variant 6 on whole NeoX rows of dense tensors)";
   if (variant < 0 || variant >= rope_ops_cuda::kNumVariants) return "rounds1/ld.cs (one head per thread)";
   return rope_ops_cuda::kVariants[variant].name;
 }

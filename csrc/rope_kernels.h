@@ -87,6 +87,10 @@ void rope_set_launch(int block_threads, int rows_on_the_fly, int pdl);
 // and k together where they fit (kFlatThreads * kFlatMaxVectors vectors); -1 (default) = joint
 // for decode-sized calls only.
 void rope_set_flat_blocks(int joint);
+// Flat path's lean kernel (benchmarks, tests): 0 = never; -1 (default) = where it can take the
+// call (whole NeoX rows, dense [tokens, H, D] tensors, uniform positions) and the call is not
+// decode-sized; 1 = wherever it can take the call. rope_last_variant reports it as 8.
+void rope_set_flat_lean(int lean);
 int rope_num_variants(void);
 const char* rope_variant_name(int variant);
 int rope_last_variant(void);

@@ -120,6 +120,8 @@ def lib(tmp_path_factory):
     so.rope_set_launch.restype = None
     so.rope_set_flat_blocks.argtypes = [ctypes.c_int]
     so.rope_set_flat_blocks.restype = None
+    so.rope_set_flat_lean.argtypes = [ctypes.c_int]
+    so.rope_set_flat_lean.restype = None
     so.rope_num_variants.restype = ctypes.c_int
     so.rope_last_variant.restype = ctypes.c_int
     so.rope_variant_name.argtypes = [ctypes.c_int]
@@ -152,16 +154,22 @@ class EmulatedBackend:
         return made
 
 
-@pytest.mark.parametrize("rows_on_the_fly,flat_blocks", [(-1, -1), (1, -1), (-1, 0)],
-                         ids=["defaults", "rows_on_the_fly", "separate_flat_blocks"])
-def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_the_fly, flat_blocks):
+LEAN_VARIANT = 8  # rope_last_variant's code for the flat path's lean kernel
+
+
+@pytest.mark.parametrize("rows_on_the_fly,flat_blocks,lean", [(-1, -1, -1), (1, -1, -1), (-1, 0, -1), (-1, -1, 1)],
+                         ids=["defaults", "rows_on_the_fly", "separate_flat_blocks", "lean_everywhere"])
+def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_the_fly, flat_blocks, lean):
     """The accuracy cases of tools/gpu_cuda_check.py; the second run computes every cos/sin row
     from freq_turns (caller tables still read their table); the third gives the flat kernel one
-    block per token and tensor even where q and k would fit one block. (The block size only
-    shapes the grid, which the emulation does not have: it runs every thread id in turn.)"""
+    block per token and tensor even where q and k would fit one block; the fourth sends every
+    call the flat path's lean kernel can take to it, decode-sized ones included (by default it
+    takes only larger calls, which these cases are not). (The block size only shapes the grid,
+    which the emulation does not have: it runs every thread id in turn.)"""
     g = check_tool
     lib.rope_set_launch(-1, rows_on_the_fly, -1)
     lib.rope_set_flat_blocks(flat_blocks)
+    lib.rope_set_flat_lean(lean)
     monkeypatch.setattr(g, "DEV", "cpu")
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(g, "large_tensor", lambda rn: None)
@@ -203,12 +211,16 @@ def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_t
         lib.rope_set_config(-1, -1, -1)
         lib.rope_set_launch(-1, -1, -1)
         lib.rope_set_flat_blocks(-1)
+        lib.rope_set_flat_lean(-1)
     assert rn.count > 250
     assert not rn.failures, "\n".join(rn.failures[:20])
     paths = list(rn.paths.values())
     assert paths.count(1) > 150 and paths.count(2) > 50, (paths.count(1), paths.count(2))
     # every fast-kernel variant (and the one-head-per-thread kernel, -1) ran
     assert used >= set(range(-1, lib.rope_num_variants())), sorted(used)
+    assert (LEAN_VARIANT in used) == (lean == 1), sorted(used)
+    if lean == 1:
+        assert lib.rope_variant_name(LEAN_VARIANT).startswith(b"lean flat")
 
 
 def _variant_named(lib, word):
