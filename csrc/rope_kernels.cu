@@ -910,13 +910,16 @@ struct LeanShape {
   int both;      // q and k present: even blocks do q, odd blocks k
 };
 
-template <typename T, int U>
+// POS_FIRST (EXPERIMENT): the position load issued before the data loads (as the probe kernel).
+template <typename T, int U, bool POS_FIRST = false>
 __global__ void __launch_bounds__(2 * kLeanThreads)
     rope_lean_kernel(const __grid_constant__ RopeParams p, const LeanShape f) {
   constexpr int V = VecInfo<T>::kVec;
   wait_for_previous_grid();
   const int nthreads = (int)blockDim.x;  // == kLeanThreads; see above
   const long long tok = f.both ? (long long)(blockIdx.x >> 1) : (long long)blockIdx.x;
+  long long pos = 0;
+  if constexpr (POS_FIRST) pos = load_position(p, 0, tok);
   const bool isk = f.both ? (blockIdx.x & 1) != 0 : p.Hq == 0;
   const int nv = (int)(isk ? p.Hk : p.Hq) << f.vpr_log2;
   const uint4* src = static_cast<const uint4*>(isk ? p.k : p.q) + tok * nv;
@@ -930,7 +933,7 @@ __global__ void __launch_bounds__(2 * kLeanThreads)
   const int half = 1 << (f.vpr_log2 - 1);
   const int c = t & ((2 * half) - 1);
   const bool first = c < half;
-  const long long pos = load_position(p, 0, tok);
+  if constexpr (!POS_FIRST) pos = load_position(p, 0, tok);
   float cs[V], sn[V];
   load_cos_sin<V>(p, pos, (long long)(c & (half - 1)) * V, cs, sn);
 #pragma unroll

@@ -241,6 +241,21 @@ int launch_rows_probe_typed(const RopeParams& p, cudaStream_t st, bool pdl) {
   return (int)launch_kernel(rows_probe<NEOX, LD, SEL>, plan.blocks, kRowsThreads, pdl, st, p, plan.f, 0);
 }
 
+// The lean kernel with the other position order (POS_FIRST), with the library's conditions.
+template <typename T>
+int launch_lean_order(const RopeParams& p, cudaStream_t st, bool pdl, bool pos_first) {
+  const FastPlan fp = plan_fast(p, 8, true, 132);
+  if (pick_path(&p) != 1 || !flat_ok(p, 8) || !lean_ok(p, 8, fp.small)) return 1;
+  const LeanShape f = plan_lean(p, 8);
+  const int64_t most = (p.Hq > p.Hk ? p.Hq : p.Hk) << f.vpr_log2;
+  const int64_t u = (most + kLeanThreads - 1) / kLeanThreads;
+  auto* k = pos_first ? (u <= 1 ? rope_lean_kernel<T, 1, true> : u <= 2 ? rope_lean_kernel<T, 2, true>
+                         : u <= 4 ? rope_lean_kernel<T, 4, true> : rope_lean_kernel<T, 8, true>)
+                      : (u <= 1 ? rope_lean_kernel<T, 1, false> : u <= 2 ? rope_lean_kernel<T, 2, false>
+                         : u <= 4 ? rope_lean_kernel<T, 4, false> : rope_lean_kernel<T, 8, false>);
+  return (int)launch_kernel(k, p.B * p.S * (f.both ? 2 : 1), kLeanThreads, pdl, st, p, f);
+}
+
 const char* kNames[] = {
     "library default (rope_launch)",
     "library flat (variant 6; joint q+k blocks where they fit)",
@@ -264,6 +279,8 @@ const char* kNames[] = {
     "library flat where it is the default, ld.global.nc data loads",
     "library rows kernel (variant 7) forced, q/k chosen by ?: (SEL false: before the ninth session)",
     "library rows kernel (variant 7) forced, q/k chosen by select64 (as the library now)",
+    "lean kernel, position loaded after the data loads",
+    "lean kernel, position loaded before the data loads (POS_FIRST)",
 };
 }  // namespace flat_probe
 using namespace flat_probe;
@@ -301,6 +318,7 @@ extern "C" int probe_launch(int which, const ProbeCall* c, void* stream) {
   if (which == 14)
     return c->interleaved ? launch_rows_probe_typed<false, HINT_NC, true>(p, st, pdl)
                           : launch_rows_probe_typed<true, HINT_NC, true>(p, st, pdl);
+  if (which == 22 || which == 23) return launch_lean_order<bf16>(p, st, pdl, which == 23);
   if (which == 20 || which == 21) {
     const bool sel = which == 21;
     if (c->interleaved)
