@@ -12,7 +12,6 @@
 #include <string.h>
 #ifdef ROPE_HOST_EMULATION
 #include <new>
-#include <type_traits>
 #endif
 
 // Every per-thread function is __host__ __device__: the kernels are thin loops around them, and
@@ -122,31 +121,6 @@ ROPE_HD void wait_for_previous_grid() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-}
-
-// a if c else b, as a select of two values already in registers. Written as PTX because nvcc
-// turns `c ? p.q : p.k` on kernel parameters into one constant-bank load at a computed offset
-// (SASS `LDC R, c[0x0][R+...]`); chains of those sat ahead of the flat kernel's first data load.
-ROPE_HD int64_t select64(const bool c, const int64_t a, const int64_t b) {
-#ifdef __CUDA_ARCH__
-  int64_t r;
-  asm("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %3, 0;\n\tselp.b64 %0, %1, %2, q;\n\t}"
-      : "=l"(r)
-      : "l"(a), "l"(b), "r"((int)c));
-  return r;
-#else
-  return c ? a : b;
-#endif
-}
-
-// a if c else b, for pointers: a plus a selected byte offset, so that the result still derives
-// from a kernel-parameter pointer and nvcc keeps global loads and stores (LDG/STG; a pointer
-// made from an integer gets generic LD/ST).
-template <typename P>
-ROPE_HD P* select_ptr(const bool c, P* a, P* b) {
-  using Byte = typename std::conditional<std::is_const<P>::value, const char, char>::type;
-  const int64_t off = select64(c, 0, (int64_t)((uintptr_t)b - (uintptr_t)a));
-  return reinterpret_cast<P*>(reinterpret_cast<Byte*>(a) + off);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -645,9 +619,7 @@ struct FlatShape {
 // no division, and the position and cos/sin row are fetched after the data loads are issued.
 // (H200, tools/kernel_probe.py: a 64-bit token division ahead of the loads cost 4 % on W1.)
 // HINT: the data loads (kFlatHint in the library; probes try others).
-// SEL (EXPERIMENT, ninth session): q/k pointers and strides chosen by select64 (true) or by `?:`
-// on the parameters (false: the kernel before).
-template <typename T, bool NEOX, bool JOINT, int HINT, bool SEL = false>
+template <typename T, bool NEOX, bool JOINT, int HINT>
 struct FlatThread {
   static constexpr int V = VecInfo<T>::kVec;
   static constexpr int NC = NEOX ? V : V / 2;  // cos/sin floats per vector
@@ -669,11 +641,7 @@ struct FlatThread {
     constexpr bool joint = JOINT;
     const bool isq = joint || (f.both ? (bid & 1) == 0 : p.Hq > 0);
     tok = joint || !f.both ? bid : bid >> 1;
-    if constexpr (SEL) {
-      nq = (int)select64(isq, p.Hq, p.Hk) << f.vpr_log2;
-    } else {
-      nq = (int)(isq ? p.Hq : p.Hk) << f.vpr_log2;
-    }
+    nq = (int)(isq ? p.Hq : p.Hk) << f.vpr_log2;
     nv = joint ? nq + ((int)p.Hk << f.vpr_log2) : nq;
     c = t & ((1 << f.vpr_log2) - 1);
     half = f.rot >> 1;
@@ -683,17 +651,8 @@ struct FlatThread {
     if (!f.tok_uniform) split_token(p, f.tok32 != 0, tok, b, s);
     // token offset: tok * stride[1] when uniform (no division ahead of the loads)
     const auto at = [&](const int64_t* st) { return f.tok_uniform ? tok * st[1] : b * st[0] + s * st[1]; };
-    if constexpr (SEL) {
-      const auto at_sel = [&](const int64_t* qs, const int64_t* ks) {
-        const int64_t s1 = select64(isq, qs[1], ks[1]);
-        return f.tok_uniform ? tok * s1 : b * select64(isq, qs[0], ks[0]) + s * s1;
-      };
-      src_a = static_cast<const T*>(select_ptr(isq, p.q, p.k)) + at_sel(p.q_stride, p.k_stride);
-      dst_a = static_cast<T*>(select_ptr(isq, p.q_out, p.k_out)) + at_sel(p.q_out_stride, p.k_out_stride);
-    } else {
-      src_a = static_cast<const T*>(isq ? p.q : p.k) + at(isq ? p.q_stride : p.k_stride);
-      dst_a = static_cast<T*>(isq ? p.q_out : p.k_out) + at(isq ? p.q_out_stride : p.k_out_stride);
-    }
+    src_a = static_cast<const T*>(isq ? p.q : p.k) + at(isq ? p.q_stride : p.k_stride);
+    dst_a = static_cast<T*>(isq ? p.q_out : p.k_out) + at(isq ? p.q_out_stride : p.k_out_stride);
     src_b = src_a;
     dst_b = dst_a;
     if (joint) {
@@ -761,16 +720,15 @@ struct FlatThread {
   }
 };
 
-template <typename T, bool NEOX, int U, bool JOINT, int HINT, bool SEL = false>
+template <typename T, bool NEOX, int U, bool JOINT, int HINT>
 __device__ __forceinline__ void flat_block_body(const RopeParams& p, const FlatShape& f,
                                                 const int on_the_fly) {
   const int t = threadIdx.x;
-  constexpr int nthreads = kFlatThreads;
-  FlatThread<T, NEOX, JOINT, HINT, SEL> th(p, f, blockIdx.x, t);
+  FlatThread<T, NEOX, JOINT, HINT> th(p, f, blockIdx.x, t);
   uint4 v[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const int j = t + u * nthreads;
+    const int j = t + u * kFlatThreads;
     v[u] = th.has(j) ? th.load(j) : make_uint4(0, 0, 0, 0);
   }
   th.load_pos(p, f);
@@ -778,8 +736,8 @@ __device__ __forceinline__ void flat_block_body(const RopeParams& p, const FlatS
   const int lane = t & 31;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const int j = t + u * nthreads;
-    if ((t & ~31) + u * nthreads >= th.nv) break;  // warp-uniform: shuffles need every lane
+    const int j = t + u * kFlatThreads;
+    if ((t & ~31) + u * kFlatThreads >= th.nv) break;  // warp-uniform: shuffles need every lane
     uint4 other = v[u];
     if constexpr (NEOX) {
       const int from = th.partner(lane);
@@ -897,11 +855,18 @@ void flat_emulate(const RopeParams& p, const FlatShape& f, const long long block
 // or k rows; thread t owns vector c = t % VPR of rows t / VPR + u * kLeanThreads / VPR, so one
 // position and one cos/sin chunk (load_cos_sin: table bounds, rows past the table, inverse);
 // the other halves of its pairs come from lane c ^ VPR / 2 by a shuffle.
-// Why (H200, tools/probes/flat_steps.cu, one process each): the probe kernel ran W4's forward
-// at 1.027-1.030 x copy and W1 at 1.041-1.043 in three runs, against 1.052-1.055 and
-// 1.061-1.068 for the library's kernels; the same source with the row stride a compile-time 128
-// instead of blockDim.x ran 1.044-1.046 and 1.059-1.062, which is why `nthreads` below is read
-// at run time. (Its SASS differs in scheduling only; the cause is not known.)
+// Why (H200, 2026-12-01, tools/probes/flat_steps.cu, one process each; benchmarks/
+// h200-2026-12-01i/): the probe kernel ran W4's forward at 1.027-1.030 x copy and W1 at
+// 1.038-1.043 in four runs, against 1.052-1.057 and 1.055-1.068 for the library's kernels; the
+// same source with the row stride a compile-time 128 instead of blockDim.x ran 1.044-1.046 and
+// 1.059-1.062, which is why `nthreads` below is read at run time (the two differ in SASS only in
+// scheduling and in reading the block's q or k pointer by a uniform constant load; the cause is
+// not known: the flat kernel with its pointers picked without a register-indexed constant load
+// timed as before). This kernel, against the flat kernel in the same processes: W4 forward
+// 1.042-1.046 against 1.053-1.057, backward 1.043-1.050 against 1.054-1.059, W5 1.030-1.035
+// against 1.033-1.036, outputs bit for bit equal. On W1 (GQA, its class keeps the heads-per-
+// thread kernel) it lost: 1.067-1.071 against 1.055-1.063. Loading the position before the data
+// (as the probe kernel does) timed the same on W4 (1.039 / 1.048 against 1.044 / 1.045).
 constexpr int kLeanThreads = 128;
 constexpr int kLeanVariant = kFlatVariant + 2;  // its rope_last_variant code (part of variant 6)
 
@@ -910,16 +875,13 @@ struct LeanShape {
   int both;      // q and k present: even blocks do q, odd blocks k
 };
 
-// POS_FIRST (EXPERIMENT): the position load issued before the data loads (as the probe kernel).
-template <typename T, int U, bool POS_FIRST = false>
+template <typename T, int U>
 __global__ void __launch_bounds__(2 * kLeanThreads)
     rope_lean_kernel(const __grid_constant__ RopeParams p, const LeanShape f) {
   constexpr int V = VecInfo<T>::kVec;
   wait_for_previous_grid();
   const int nthreads = (int)blockDim.x;  // == kLeanThreads; see above
   const long long tok = f.both ? (long long)(blockIdx.x >> 1) : (long long)blockIdx.x;
-  long long pos = 0;
-  if constexpr (POS_FIRST) pos = load_position(p, 0, tok);
   const bool isk = f.both ? (blockIdx.x & 1) != 0 : p.Hq == 0;
   const int nv = (int)(isk ? p.Hk : p.Hq) << f.vpr_log2;
   const uint4* src = static_cast<const uint4*>(isk ? p.k : p.q) + tok * nv;
@@ -933,7 +895,7 @@ __global__ void __launch_bounds__(2 * kLeanThreads)
   const int half = 1 << (f.vpr_log2 - 1);
   const int c = t & ((2 * half) - 1);
   const bool first = c < half;
-  if constexpr (!POS_FIRST) pos = load_position(p, 0, tok);
+  const long long pos = load_position(p, 0, tok);
   float cs[V], sn[V];
   load_cos_sin<V>(p, pos, (long long)(c & (half - 1)) * V, cs, sn);
 #pragma unroll
@@ -1064,9 +1026,8 @@ struct RowsShape {
   FastDiv div_hq, div_hk, div_s;
 };
 
-// LD: the data loads' hint (kRowsLoadHint in the library; probes try others). SEL (EXPERIMENT,
-// ninth session): q or k's pointers and strides by select64 (as the flat kernel), or by ?:.
-template <typename T, bool NEOX, int LD, bool SEL = false>
+// LD: the data loads' hint (kRowsLoadHint in the library; probes try others).
+template <typename T, bool NEOX, int LD>
 ROPE_HD void rows_thread(const RopeParams& p, const RowsShape& f, const long long bid, const int t,
                          const bool fly) {
   constexpr int V = VecInfo<T>::kVec;
@@ -1086,26 +1047,17 @@ ROPE_HD void rows_thread(const RopeParams& p, const RowsShape& f, const long lon
     s = tok - b * p.S;
   }
   const long long d0 = (long long)c * V;
-  const T* src = static_cast<const T*>(SEL ? select_ptr(isq, p.q, p.k) : isq ? p.q : p.k) + d0;
-  T* dst = static_cast<T*>(SEL ? select_ptr(isq, p.q_out, p.k_out) : isq ? p.q_out : p.k_out) + d0;
+  const T* src = static_cast<const T*>(isq ? p.q : p.k) + d0;
+  T* dst = static_cast<T*>(isq ? p.q_out : p.k_out) + d0;
   if (f.uniform) {
     src += row * (isq ? f.pitch[0] : f.pitch[2]);  // (a computed index would copy f to the stack)
     dst += row * (isq ? f.pitch[1] : f.pitch[3]);
   } else {
     const long long h = row - tok * H;
-    if constexpr (SEL) {
-      const auto off = [&](const int64_t* qs, const int64_t* ks) {
-        return b * select64(isq, qs[0], ks[0]) + s * select64(isq, qs[1], ks[1]) +
-               h * select64(isq, qs[2], ks[2]);
-      };
-      src += off(p.q_stride, p.k_stride);
-      dst += off(p.q_out_stride, p.k_out_stride);
-    } else {
-      const int64_t* st = isq ? p.q_stride : p.k_stride;
-      const int64_t* sto = isq ? p.q_out_stride : p.k_out_stride;
-      src += b * st[0] + s * st[1] + h * st[2];
-      dst += b * sto[0] + s * sto[1] + h * sto[2];
-    }
+    const int64_t* st = isq ? p.q_stride : p.k_stride;
+    const int64_t* sto = isq ? p.q_out_stride : p.k_out_stride;
+    src += b * st[0] + s * st[1] + h * st[2];
+    dst += b * sto[0] + s * sto[1] + h * sto[2];
   }
   const long long half = p.R >> 1;
   wait_for_previous_grid();  // the index math above overlaps the previous kernel's tail (PDL)

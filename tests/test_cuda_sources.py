@@ -57,7 +57,7 @@ def test_check_compile_script():
     assert "registers" in proc.stdout  # the ptxas report is printed
 
 
-@pytest.mark.parametrize("source,count,second", [("flat_steps.cu", 24, "flat"),
+@pytest.mark.parametrize("source,count,second", [("flat_steps.cu", 19, "flat"),
                                                   ("strided_inplace.cu", 28, "walk")])
 def test_kernel_probe_builds_against_the_library(source, count, second):
     """The probe sources in tools/probes include csrc/rope_kernels.cu: they must keep compiling as

@@ -173,29 +173,28 @@ int launch_flat_bounds(const ProbeCall& c, const RopeParams& p, cudaStream_t st,
   return (int)launch_kernel(k, plan.blocks, kFlatThreads, c.pdl != 0, st, p, f, 0);
 }
 
-// The library's flat kernel and launch with another data-load hint (HINT_PLAIN: LDG.E.128, the
-// flat kernel's loads before the ninth session).
-template <bool NEOX, int U, bool JOINT, int HINT, bool SEL>
+// The library's flat kernel (not the lean one) and launch, with a given data-load hint.
+template <bool NEOX, int U, bool JOINT, int HINT>
 __global__ void __launch_bounds__(kFlatThreads)
     flat_hint(const __grid_constant__ RopeParams p, const FlatShape f, const int on_the_fly) {
-  flat_block_body<bf16, NEOX, U, JOINT, HINT, SEL>(p, f, on_the_fly);
+  flat_block_body<bf16, NEOX, U, JOINT, HINT>(p, f, on_the_fly);
 }
 
-template <bool NEOX, int HINT, bool SEL = true>
+template <bool NEOX, int HINT>
 int launch_flat_hint_typed(const RopeParams& p, cudaStream_t st, bool pdl) {
   if (pick_path(&p) != 1) return 1;
   const FastPlan fp = plan_fast(p, 8, NEOX, 132);
   if (fp.cfg.variant != kFlatVariant || !flat_ok(p, 8)) return 1;
   const FlatPlan plan = plan_flat(p, 8, fp.small);
   const int u = plan.vectors_per_thread;
-  auto* k = plan.f.joint ? (u <= 2   ? flat_hint<NEOX, 2, true, HINT, SEL>
-                            : u <= 4 ? flat_hint<NEOX, 4, true, HINT, SEL>
-                            : u <= 6 ? flat_hint<NEOX, 6, true, HINT, SEL>
-                                     : flat_hint<NEOX, 8, true, HINT, SEL>)
-                         : (u <= 1   ? flat_hint<NEOX, 1, false, HINT, SEL>
-                            : u <= 2 ? flat_hint<NEOX, 2, false, HINT, SEL>
-                            : u <= 4 ? flat_hint<NEOX, 4, false, HINT, SEL>
-                                     : flat_hint<NEOX, 8, false, HINT, SEL>);
+  auto* k = plan.f.joint ? (u <= 2   ? flat_hint<NEOX, 2, true, HINT>
+                            : u <= 4 ? flat_hint<NEOX, 4, true, HINT>
+                            : u <= 6 ? flat_hint<NEOX, 6, true, HINT>
+                                     : flat_hint<NEOX, 8, true, HINT>)
+                         : (u <= 1   ? flat_hint<NEOX, 1, false, HINT>
+                            : u <= 2 ? flat_hint<NEOX, 2, false, HINT>
+                            : u <= 4 ? flat_hint<NEOX, 4, false, HINT>
+                                     : flat_hint<NEOX, 8, false, HINT>);
   return (int)launch_kernel(k, plan.blocks, kFlatThreads, pdl, st, p, plan.f, 0);
 }
 
@@ -227,33 +226,18 @@ int launch_fast_nc_typed(const RopeParams& p, cudaStream_t st, bool pdl) {
   return 1;
 }
 
-// The rows kernel (variant 7, forced) with another data-load hint or q/k choice.
-template <bool NEOX, int LD, bool SEL>
+// The rows kernel (variant 7, forced) with another data-load hint.
+template <bool NEOX, int LD>
 __global__ void __launch_bounds__(kRowsThreads)
     rows_probe(const __grid_constant__ RopeParams p, const RowsShape f, const int on_the_fly) {
-  rows_thread<bf16, NEOX, LD, SEL>(p, f, blockIdx.x, threadIdx.x, on_the_fly != 0);
+  rows_thread<bf16, NEOX, LD>(p, f, blockIdx.x, threadIdx.x, on_the_fly != 0);
 }
 
-template <bool NEOX, int LD, bool SEL>
+template <bool NEOX, int LD>
 int launch_rows_probe_typed(const RopeParams& p, cudaStream_t st, bool pdl) {
   if (pick_path(&p) != 1 || !rows_ok(p, 8, NEOX)) return 1;
   const RowsPlan plan = plan_rows(p, 8, NEOX);
-  return (int)launch_kernel(rows_probe<NEOX, LD, SEL>, plan.blocks, kRowsThreads, pdl, st, p, plan.f, 0);
-}
-
-// The lean kernel with the other position order (POS_FIRST), with the library's conditions.
-template <typename T>
-int launch_lean_order(const RopeParams& p, cudaStream_t st, bool pdl, bool pos_first) {
-  const FastPlan fp = plan_fast(p, 8, true, 132);
-  if (pick_path(&p) != 1 || !flat_ok(p, 8) || !lean_ok(p, 8, fp.small)) return 1;
-  const LeanShape f = plan_lean(p, 8);
-  const int64_t most = (p.Hq > p.Hk ? p.Hq : p.Hk) << f.vpr_log2;
-  const int64_t u = (most + kLeanThreads - 1) / kLeanThreads;
-  auto* k = pos_first ? (u <= 1 ? rope_lean_kernel<T, 1, true> : u <= 2 ? rope_lean_kernel<T, 2, true>
-                         : u <= 4 ? rope_lean_kernel<T, 4, true> : rope_lean_kernel<T, 8, true>)
-                      : (u <= 1 ? rope_lean_kernel<T, 1, false> : u <= 2 ? rope_lean_kernel<T, 2, false>
-                         : u <= 4 ? rope_lean_kernel<T, 4, false> : rope_lean_kernel<T, 8, false>);
-  return (int)launch_kernel(k, p.B * p.S * (f.both ? 2 : 1), kLeanThreads, pdl, st, p, f);
+  return (int)launch_kernel(rows_probe<NEOX, LD>, plan.blocks, kRowsThreads, pdl, st, p, plan.f, 0);
 }
 
 const char* kNames[] = {
@@ -268,19 +252,14 @@ const char* kNames[] = {
     "library flat, separate blocks, __launch_bounds__(256)",
     "library flat, separate blocks, __launch_bounds__(128, 10 or 8 blocks)",
     "library default, cos/sin rows computed on the fly (rope_set_launch rows_on_the_fly 1)",
-    "library flat where it is the default, plain data loads (as the library; flat_hint instantiation)",
+    "library flat kernel where flat is the default, never the lean kernel (flat_hint instantiation)",
     "steps: probe at 128 threads, ld.global.nc data loads (the fifth session's real loads)",
     "library heads-per-thread where it is the default, ld.global.nc data loads",
     "library rows kernel (variant 7), ld.global.nc data loads",
     "sixth session's probe 2: 5th-session kernel on RopeParams, blockDim.x indexing, launch bounds 256",
     "  the same, launch bounds 128",
     "  the same, launch bounds 256, constant 128 instead of blockDim.x",
-    "library flat where it is the default, q/k chosen by ?: on the parameters (SEL false: before 9th session)",
-    "library flat where it is the default, ld.global.nc data loads",
-    "library rows kernel (variant 7) forced, q/k chosen by ?: (SEL false: before the ninth session)",
-    "library rows kernel (variant 7) forced, q/k chosen by select64 (as the library now)",
-    "lean kernel, position loaded after the data loads",
-    "lean kernel, position loaded before the data loads (POS_FIRST)",
+    "library flat kernel where flat is the default, never the lean kernel, ld.global.nc data loads",
 };
 }  // namespace flat_probe
 using namespace flat_probe;
@@ -308,25 +287,13 @@ extern "C" int probe_launch(int which, const ProbeCall* c, void* stream) {
     return c->interleaved ? launch_flat_hint_typed<false, HINT_PLAIN>(p, st, pdl)
                           : launch_flat_hint_typed<true, HINT_PLAIN>(p, st, pdl);
   if (which == 18)
-    return c->interleaved ? launch_flat_hint_typed<false, HINT_PLAIN, false>(p, st, pdl)
-                          : launch_flat_hint_typed<true, HINT_PLAIN, false>(p, st, pdl);
-  if (which == 19)
     return c->interleaved ? launch_flat_hint_typed<false, HINT_NC>(p, st, pdl)
                           : launch_flat_hint_typed<true, HINT_NC>(p, st, pdl);
   if (which == 13)
     return c->interleaved ? launch_fast_nc_typed<false>(p, st, pdl) : launch_fast_nc_typed<true>(p, st, pdl);
   if (which == 14)
-    return c->interleaved ? launch_rows_probe_typed<false, HINT_NC, true>(p, st, pdl)
-                          : launch_rows_probe_typed<true, HINT_NC, true>(p, st, pdl);
-  if (which == 22 || which == 23) return launch_lean_order<bf16>(p, st, pdl, which == 23);
-  if (which == 20 || which == 21) {
-    const bool sel = which == 21;
-    if (c->interleaved)
-      return sel ? launch_rows_probe_typed<false, kRowsLoadHint, true>(p, st, pdl)
-                 : launch_rows_probe_typed<false, kRowsLoadHint, false>(p, st, pdl);
-    return sel ? launch_rows_probe_typed<true, kRowsLoadHint, true>(p, st, pdl)
-               : launch_rows_probe_typed<true, kRowsLoadHint, false>(p, st, pdl);
-  }
+    return c->interleaved ? launch_rows_probe_typed<false, HINT_NC>(p, st, pdl)
+                          : launch_rows_probe_typed<true, HINT_NC>(p, st, pdl);
   if (c->interleaved || c->R != 128 || c->D != 128 || c->inplace || c->inverse) return 1;
   const int h = c->Hq > c->Hk ? c->Hq : c->Hk;
   const int u = (h * 16 + 127) / 128;
