@@ -429,6 +429,8 @@ void set_launch(int64_t block_threads, int64_t rows_on_the_fly, int64_t pdl) {
                   static_cast<int>(pdl));
 }
 
+void set_flat_lean(int64_t lean) { rope_set_flat_lean(static_cast<int>(lean)); }
+
 int64_t num_variants() { return rope_num_variants(); }
 int64_t last_variant() { return rope_last_variant(); }
 
@@ -457,6 +459,7 @@ TORCH_LIBRARY(rope_ops_cuda, m) {
   m.def("set_tuning(int max_heads_per_thread, int min_threads_per_sm) -> ()");
   m.def("set_config(int variant, int max_heads_per_thread, int min_threads_per_sm) -> ()");
   m.def("set_launch(int block_threads, int rows_on_the_fly, int pdl) -> ()");
+  m.def("set_flat_lean(int lean) -> ()");
   m.def("num_variants() -> int");
   m.def("last_variant() -> int");
   m.def(
@@ -465,6 +468,7 @@ TORCH_LIBRARY(rope_ops_cuda, m) {
   m.impl("set_tuning", &set_tuning);
   m.impl("set_config", &set_config);
   m.impl("set_launch", &set_launch);
+  m.impl("set_flat_lean", &set_flat_lean);
   m.impl("num_variants", &num_variants);
   m.impl("last_variant", &last_variant);
 }

@@ -376,6 +376,33 @@ def accuracy(rn: Runner):
                                  expect_path=1, seed=7)
         finally:
             rn.cb.set_launch(-1, -1, -1)
+    # The flat path's lean kernel on every case it can take (by default only calls larger than
+    # these): variant 6 forced, whole NeoX rows of dense tensors, every layout and position kind.
+    if hasattr(rn.cb, "set_flat_lean"):
+        rn.cb.set_config(6, -1, -1)
+        rn.cb.set_flat_lean(1)
+        print("  -- variant 6 (flat) forced, lean kernel wherever it can take the call")
+        lean_ran = 0
+        try:
+            for dtype in dtypes:
+                for layout in ("bshd", "thd", "sbhd", "bhsd"):
+                    for seed, (Hq, Hk, pos_kind, inverse) in enumerate(
+                            ((8, 2, "s", False), (4, 4, "bs", True), (2, 0, "offset", False),
+                             (6, 2, "s", True))):
+                        run_case(rn, dtype=dtype, style="neox", layout=layout, D=128, r=128, Hq=Hq,
+                                 Hk=Hk, B=2, S=37, inplace=False, inverse=inverse, pos_kind=pos_kind,
+                                 rows=131072 if seed == 1 else 256, expect_path=1, seed=20 + seed)
+                        lean_ran += rn.cb.last_variant() == 8
+                    # positions beyond the table (rows from freq_turns), in place, int32
+                    run_case(rn, dtype=dtype, style="neox", layout=layout, D=64, r=64, Hq=4, Hk=4,
+                             B=1, S=50, inplace=True, inverse=False, pos_kind="s",
+                             pdtype=torch.int32, expect_path=1, seed=30)
+                    lean_ran += rn.cb.last_variant() == 8
+        finally:
+            rn.cb.set_flat_lean(-1)
+            rn.cb.set_config(-1, -1, -1)
+        rn.case("lean kernel ran on at least 8 of the forced cases",
+                lambda: [] if lean_ran >= 8 else [f"lean kernel ran on only {lean_ran} of them"])
     alloc_outputs(rn)
     garbage_positions(rn)
     zero_tokens(rn)

@@ -299,6 +299,13 @@ def set_launch(block_threads: int = -1, rows_on_the_fly: int = -1, pdl: int = -1
     torch.ops.rope_ops_cuda.set_launch(block_threads, rows_on_the_fly, pdl)
 
 
+def set_flat_lean(lean: int = -1) -> None:
+    """The flat path's lean kernel (benchmarks, checks): 0 never, 1 wherever it can take the call
+    (decode-sized calls included), -1 the default (where it can take the call and the call is
+    not decode-sized); see rope_set_flat_lean in csrc/rope_kernels.h."""
+    torch.ops.rope_ops_cuda.set_flat_lean(lean)
+
+
 def num_variants() -> int:
     return int(torch.ops.rope_ops_cuda.num_variants())
 
