@@ -163,6 +163,7 @@ class Runner:
         self.failed_cases = 0
         self.verbose = False
         self.paths = {}
+        self.lean_expected = True  # the lean pass must reach the lean kernel (not with rows on the fly)
 
     def ok(self, name):
         if self.verbose:
@@ -401,8 +402,10 @@ def accuracy(rn: Runner):
         finally:
             rn.cb.set_flat_lean(-1)
             rn.cb.set_config(-1, -1, -1)
-        rn.case("lean kernel ran on at least 8 of the forced cases",
-                lambda: [] if lean_ran >= 8 else [f"lean kernel ran on only {lean_ran} of them"])
+        print(f"     lean kernel ran on {lean_ran} of them")
+        if rn.lean_expected:
+            rn.case("lean kernel ran on at least 8 of the forced cases",
+                    lambda: [] if lean_ran >= 8 else [f"lean kernel ran on only {lean_ran} of them"])
     alloc_outputs(rn)
     garbage_positions(rn)
     zero_tokens(rn)
