@@ -51,7 +51,8 @@ struct TuneConfig {
 //   on the fly 3.49-3.86 us, slower than the table.
 // - large in gptj: W3 in place 21.15 us with blocks of 128 against 21.63 with 256.
 // - large out gptj: W3 out of place 67.6 us with blocks of 128 against 68.3 with 256.
-// Variant 6 is the flat kernel (kFlatVariant below; a block per token's q or k). Measured on the
+// Variant 6 is the flat kernel (kFlatVariant below; a block per token's q or k; on whole NeoX
+// rows of dense tensors its lean form, rope_lean_kernel, ninth session). Measured on the
 // H200 with tools/kernel_probe.py (2026-12-01, benchmarks/h200-2026-12-01f/), against the rows
 // above in the same runs: W2 2.91 us against 3.21 (joint q+k blocks), W5 1.027 x copy against
 // 1.045, W4 1.057 against 1.064 (separate blocks); W1 1.086-1.137 against 1.058 and W3 in place
