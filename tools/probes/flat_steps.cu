@@ -14,6 +14,45 @@ using bf16 = __nv_bfloat16;
 using probe_common::make_params;
 
 
+// The probe kernels' pieces (bf16, head_dim 128, NeoX, full rotary): the thread's cos/sin chunk
+// c & 7 of table row ps (no table bounds), and one vector rotated with the other halves of its
+// pairs from lane c ^ 8 (a shuffle: every lane of the warp must call it) and stored at dst.
+__device__ __forceinline__ void probe_cos_sin(const RopeParams& p, const long long ps, const int c,
+                                              float* cs, float* sn) {
+  const float4* cp = reinterpret_cast<const float4*>(p.cos_table + ps * 64 + (c & 7) * 8);
+  const float4* sp = reinterpret_cast<const float4*>(p.sin_table + ps * 64 + (c & 7) * 8);
+  const float4 c0 = __ldg(cp), c1 = __ldg(cp + 1), s0 = __ldg(sp), s1 = __ldg(sp + 1);
+  cs[0] = c0.x; cs[1] = c0.y; cs[2] = c0.z; cs[3] = c0.w; cs[4] = c1.x; cs[5] = c1.y; cs[6] = c1.z; cs[7] = c1.w;
+  sn[0] = s0.x; sn[1] = s0.y; sn[2] = s0.z; sn[3] = s0.w; sn[4] = s1.x; sn[5] = s1.y; sn[6] = s1.z; sn[7] = s1.w;
+}
+
+// BRANCH: the reverted flat kernel's if/else per half instead of a select.
+template <bool BRANCH>
+__device__ __forceinline__ void probe_rotate_store(const uint4& v, const bool first, const float* cs,
+                                                   const float* sn, uint4* dst) {
+  uint4 o;
+  o.x = __shfl_xor_sync(0xffffffffu, v.x, 8);
+  o.y = __shfl_xor_sync(0xffffffffu, v.y, 8);
+  o.z = __shfl_xor_sync(0xffffffffu, v.z, 8);
+  o.w = __shfl_xor_sync(0xffffffffu, v.w, 8);
+  float x[8], y[8], r[8];
+  unpack16<bf16>(v, x);
+  unpack16<bf16>(o, y);
+  if constexpr (BRANCH) {
+    if (first) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) r[i] = fmaf(x[i], cs[i], -y[i] * sn[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) r[i] = fmaf(x[i], cs[i], y[i] * sn[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) r[i] = first ? fmaf(x[i], cs[i], -y[i] * sn[i]) : fmaf(x[i], cs[i], y[i] * sn[i]);
+  }
+  *dst = pack16<bf16>(r);
+}
+
 // The fifth session's probe kernel (benchmarks/h200-2026-12-01e/flat_probe.cu, flat_rope with
 // plain loads, launched with 128 threads; LB = 256 is its launch bounds) with the library's
 // pieces switched on one by one (MAXU 4..8): POS: load_position(p, b, s) with a 64-bit token
@@ -47,41 +86,11 @@ __global__ void __launch_bounds__(LB) step_kernel(const __grid_constant__ RopePa
   if constexpr ((STEP & POS) != 0) ps = load_position(p, b, s);
   else ps = __ldg(static_cast<const long long*>(p.pos) + tok);
   float cs[8], sn[8];
-  if constexpr ((STEP & CS) != 0) {
-    load_cos_sin<8>(p, ps, (long long)(c & 7) * 8, cs, sn, false);
-  } else {
-    const float4* cp = reinterpret_cast<const float4*>(p.cos_table + ps * 64 + (c & 7) * 8);
-    const float4* sp = reinterpret_cast<const float4*>(p.sin_table + ps * 64 + (c & 7) * 8);
-    const float4 c0 = __ldg(cp), c1 = __ldg(cp + 1), s0 = __ldg(sp), s1 = __ldg(sp + 1);
-    cs[0] = c0.x; cs[1] = c0.y; cs[2] = c0.z; cs[3] = c0.w; cs[4] = c1.x; cs[5] = c1.y; cs[6] = c1.z; cs[7] = c1.w;
-    sn[0] = s0.x; sn[1] = s0.y; sn[2] = s0.z; sn[3] = s0.w; sn[4] = s1.x; sn[5] = s1.y; sn[6] = s1.z; sn[7] = s1.w;
-  }
+  if constexpr ((STEP & CS) != 0) load_cos_sin<8>(p, ps, (long long)(c & 7) * 8, cs, sn, false);
+  else probe_cos_sin(p, ps, c, cs, sn);
 #pragma unroll
-  for (int u = 0; u < MAXU; ++u) {
-    if (warp_base + u * 128 < nv) {
-      uint4 o;
-      o.x = __shfl_xor_sync(0xffffffffu, v[u].x, 8);
-      o.y = __shfl_xor_sync(0xffffffffu, v[u].y, 8);
-      o.z = __shfl_xor_sync(0xffffffffu, v[u].z, 8);
-      o.w = __shfl_xor_sync(0xffffffffu, v[u].w, 8);
-      float x[8], y[8], r[8];
-      unpack16<bf16>(v[u], x);
-      unpack16<bf16>(o, y);
-      if constexpr ((STEP & BRANCH) != 0) {
-        if (first) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) r[i] = fmaf(x[i], cs[i], -y[i] * sn[i]);
-        } else {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) r[i] = fmaf(x[i], cs[i], y[i] * sn[i]);
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) r[i] = first ? fmaf(x[i], cs[i], -y[i] * sn[i]) : fmaf(x[i], cs[i], y[i] * sn[i]);
-      }
-      dst[t + u * 128] = pack16<bf16>(r);
-    }
-  }
+  for (int u = 0; u < MAXU; ++u)
+    if (warp_base + u * 128 < nv) probe_rotate_store<(STEP & BRANCH) != 0>(v[u], first, cs, sn, dst + t + u * 128);
 }
 
 // The sixth session's first probe 2 (1.029-1.031 x copy on W4's forward in five runs, against
@@ -107,11 +116,9 @@ __global__ void __launch_bounds__(LB) sixth_probe_kernel(const __grid_constant__
   const bool first = c < 8;
   const long long ps = __ldg(static_cast<const long long*>(p.pos) + tok);
   float cs[8], sn[8];
-  const float4* cp = reinterpret_cast<const float4*>(p.cos_table + ps * 64 + (c & 7) * 8);
-  const float4* sp = reinterpret_cast<const float4*>(p.sin_table + ps * 64 + (c & 7) * 8);
-  const float4 c0 = __ldg(cp), c1 = __ldg(cp + 1), s0 = __ldg(sp), s1 = __ldg(sp + 1);
-  cs[0] = c0.x; cs[1] = c0.y; cs[2] = c0.z; cs[3] = c0.w; cs[4] = c1.x; cs[5] = c1.y; cs[6] = c1.z; cs[7] = c1.w;
-  sn[0] = s0.x; sn[1] = s0.y; sn[2] = s0.z; sn[3] = s0.w; sn[4] = s1.x; sn[5] = s1.y; sn[6] = s1.z; sn[7] = s1.w;
+  probe_cos_sin(p, ps, c, cs, sn);
+  // Written out, not probe_rotate_store: with the helper ptxas schedules this kernel
+  // differently (cuobjdump), and this kernel's SASS is what was timed.
 #pragma unroll
   for (int u = 0; u < MAXU; ++u) {
     if (warp_base + u * nthreads < nv) {
