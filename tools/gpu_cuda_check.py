@@ -272,6 +272,39 @@ def kernel_path(q, k, q_out, k_out, layout, r, interleaved, inplace, cos):
                                                  interleaved, inplace, cos))
 
 
+def lean_pass(rn: Runner, dtypes) -> None:
+    """The flat path's lean kernel on every case it can take (by default it takes only calls
+    larger than these): variant 6 forced, whole NeoX rows of dense tensors, every layout and
+    position kind. Also run alone (--lean-only), e.g. under compute-sanitizer."""
+    if hasattr(rn.cb, "set_flat_lean"):
+        rn.cb.set_config(6, -1, -1)
+        rn.cb.set_flat_lean(1)
+        print("  -- variant 6 (flat) forced, lean kernel wherever it can take the call")
+        lean_ran = 0
+        try:
+            for dtype in dtypes:
+                for layout in ("bshd", "thd", "sbhd", "bhsd"):
+                    for seed, (Hq, Hk, pos_kind, inverse) in enumerate(
+                            ((8, 2, "s", False), (4, 4, "bs", True), (2, 0, "offset", False),
+                             (6, 2, "s", True))):
+                        run_case(rn, dtype=dtype, style="neox", layout=layout, D=128, r=128, Hq=Hq,
+                                 Hk=Hk, B=2, S=37, inplace=False, inverse=inverse, pos_kind=pos_kind,
+                                 rows=131072 if seed == 1 else 256, expect_path=1, seed=20 + seed)
+                        lean_ran += rn.cb.last_variant() == 8
+                    # positions beyond the table (rows from freq_turns), in place, int32
+                    run_case(rn, dtype=dtype, style="neox", layout=layout, D=64, r=64, Hq=4, Hk=4,
+                             B=1, S=50, inplace=True, inverse=False, pos_kind="s",
+                             pdtype=torch.int32, expect_path=1, seed=30)
+                    lean_ran += rn.cb.last_variant() == 8
+        finally:
+            rn.cb.set_flat_lean(-1)
+            rn.cb.set_config(-1, -1, -1)
+        print(f"     lean kernel ran on {lean_ran} of them")
+        if rn.lean_expected:
+            rn.case("lean kernel ran on at least 8 of the forced cases",
+                    lambda: [] if lean_ran >= 8 else [f"lean kernel ran on only {lean_ran} of them"])
+
+
 def accuracy(rn: Runner):
     print("\n== accuracy against rope_ops._reference (float64)")
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
@@ -377,35 +410,7 @@ def accuracy(rn: Runner):
                                  expect_path=1, seed=7)
         finally:
             rn.cb.set_launch(-1, -1, -1)
-    # The flat path's lean kernel on every case it can take (by default only calls larger than
-    # these): variant 6 forced, whole NeoX rows of dense tensors, every layout and position kind.
-    if hasattr(rn.cb, "set_flat_lean"):
-        rn.cb.set_config(6, -1, -1)
-        rn.cb.set_flat_lean(1)
-        print("  -- variant 6 (flat) forced, lean kernel wherever it can take the call")
-        lean_ran = 0
-        try:
-            for dtype in dtypes:
-                for layout in ("bshd", "thd", "sbhd", "bhsd"):
-                    for seed, (Hq, Hk, pos_kind, inverse) in enumerate(
-                            ((8, 2, "s", False), (4, 4, "bs", True), (2, 0, "offset", False),
-                             (6, 2, "s", True))):
-                        run_case(rn, dtype=dtype, style="neox", layout=layout, D=128, r=128, Hq=Hq,
-                                 Hk=Hk, B=2, S=37, inplace=False, inverse=inverse, pos_kind=pos_kind,
-                                 rows=131072 if seed == 1 else 256, expect_path=1, seed=20 + seed)
-                        lean_ran += rn.cb.last_variant() == 8
-                    # positions beyond the table (rows from freq_turns), in place, int32
-                    run_case(rn, dtype=dtype, style="neox", layout=layout, D=64, r=64, Hq=4, Hk=4,
-                             B=1, S=50, inplace=True, inverse=False, pos_kind="s",
-                             pdtype=torch.int32, expect_path=1, seed=30)
-                    lean_ran += rn.cb.last_variant() == 8
-        finally:
-            rn.cb.set_flat_lean(-1)
-            rn.cb.set_config(-1, -1, -1)
-        print(f"     lean kernel ran on {lean_ran} of them")
-        if rn.lean_expected:
-            rn.case("lean kernel ran on at least 8 of the forced cases",
-                    lambda: [] if lean_ran >= 8 else [f"lean kernel ran on only {lean_ran} of them"])
+    lean_pass(rn, dtypes)
     alloc_outputs(rn)
     garbage_positions(rn)
     zero_tokens(rn)
@@ -1128,6 +1133,8 @@ def main() -> int:
                     help="with --sweep: heads x threads x block size grid for the large classes")
     ap.add_argument("--variants", default=None,
                     help="with --sweep: only these kernel variants (comma list: 4,6,7)")
+    ap.add_argument("--lean-only", action="store_true",
+                    help="only the lean-kernel accuracy pass (short enough for compute-sanitizer)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every passing case")
     a = ap.parse_args()
     t_start = time.time()
@@ -1146,6 +1153,11 @@ def main() -> int:
     print(f"extension ready in {time.time() - t0:.1f} s ({cb.build_dir(cb.visible_archs())})")
     rn = Runner(backend, cb)
     rn.verbose = a.verbose
+    if a.lean_only:
+        lean_pass(rn, (torch.float32, torch.float16, torch.bfloat16))
+        print(f"\nlean pass: {rn.count - rn.failed_cases}/{rn.count} cases passed, "
+              f"{len(rn.failures)} problems")
+        return 1 if rn.failures else 0
     if not a.perf_only:
         accuracy(rn)
         print(f"\naccuracy: {rn.count - rn.failed_cases}/{rn.count} cases passed, "

@@ -6,9 +6,9 @@
 #   run(command="bash tools/gpu_run.sh setup build perf bench", carry=[".whl", ".gpu_cache"])
 #
 # Phases: setup build verify perf bench probe (default: all but probe). Results and logs go to $OUT.
-#   verify: conformance suite on cuda and on triton, compute-sanitizer memcheck on a cuda subset,
-#           and the CUDA check's ~330 accuracy cases, all at once (correctness only: they share
-#           the GPU, so no timing is taken here).
+#   verify: conformance suite on cuda and on triton, compute-sanitizer memcheck on a cuda subset
+#           and on the lean-kernel pass, and the CUDA check's ~1000 accuracy cases, all at once
+#           (correctness only: they share the GPU, so no timing is taken here).
 #   perf:   the backends' own timing checks (variants and sweeps), one after the other.
 #   bench:  python -m rope_ops bench (PERF.md workloads, same-run copy, peers), JSON + PNG.
 #   probe:  tools/kernel_probe.py on $PROBE_SOURCE (default tools/probes/flat_steps.cu) with
@@ -56,8 +56,12 @@ if has verify; then
     -k "test_forward and (beyond or near_2p20 or negative or packed or transposed or caller_tables or thd or inplace) and (float32 or bfloat16)" \
     > "$OUT/sanitizer.txt" 2>&1 & p3=$!
   timeout 480 python3 tools/gpu_cuda_check.py --no-perf > "$OUT/cuda_accuracy.txt" 2>&1 & p4=$!
+  # the flat path's lean kernel takes only calls larger than the suite's: its forced pass
+  timeout 480 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/gpu_cuda_check.py --lean-only \
+    > "$OUT/sanitizer_lean.txt" 2>&1 & p5=$!
   for job in "$p1:conformance cuda:conformance_cuda" "$p2:conformance triton:conformance_triton" \
-             "$p3:sanitizer:sanitizer" "$p4:cuda accuracy cases:cuda_accuracy"; do
+             "$p3:sanitizer:sanitizer" "$p4:cuda accuracy cases:cuda_accuracy" \
+             "$p5:sanitizer, lean kernel pass:sanitizer_lean"; do
     IFS=: read -r pid label file <<< "$job"
     wait "$pid"; rc=$?
     echo "--- $label: exit $rc"; tail -6 "$OUT/$file.txt"
