@@ -789,11 +789,17 @@ struct FlatPlan {
   int vectors_per_thread;
 };
 
+// log2 of the vectors per row, D / V (a power of two on the flat path).
+int vectors_per_row_log2(const RopeParams& p, const int64_t V) {
+  int vpr_log2 = 0;
+  while ((V << vpr_log2) < p.D) ++vpr_log2;
+  return vpr_log2;
+}
+
 FlatPlan plan_flat(const RopeParams& p, const int64_t V, const bool small) {
   const int64_t tokens = p.B * p.S;
   const bool both = p.Hq > 0 && p.Hk > 0;
-  int vpr_log2 = 0;
-  while ((V << vpr_log2) < p.D) ++vpr_log2;
+  const int vpr_log2 = vectors_per_row_log2(p, V);
   // Joint blocks (q and k of a token) where they fit: GQA's k rows alone make small blocks
   // (2 KB for 8 heads of 128), and a block's start-up is paid per block.
   // Measured (H200, 2026-12-01, benchmarks/h200-2026-12-01f/): joint blocks win on decode
@@ -918,29 +924,27 @@ __global__ void __launch_bounds__(2 * kLeanThreads)
   }
 }
 
-// Whether the lean path can take p (already known to suit the fast path); see above.
+// Whether the lean path can take p, already known to suit the flat path (flat_ok: D / V a power
+// of two <= 32, head stride D, at most kFlatMaxVectors vectors per thread of kFlatThreads, blocks
+// within 31 bits; NeoX halves of whole vectors, so D / V >= 2). See above.
+static_assert(kLeanThreads == kFlatThreads, "lean_ok relies on flat_ok's vectors-per-thread bound");
 bool lean_ok(const RopeParams& p, const int64_t V, const bool small) {
-  if (small || p.interleaved || p.R != p.D || p.D % V != 0) return false;
+  if (small || p.interleaved || p.R != p.D) return false;
   const int64_t vpr = p.D / V;
-  if (vpr < 2 || vpr > 32 || (vpr & (vpr - 1)) != 0) return false;
-  if ((p.Hq > p.Hk ? p.Hq : p.Hk) * vpr > (int64_t)kLeanThreads * kFlatMaxVectors) return false;
   // whole warps of vectors: a warp loads, shuffles and stores all or nothing
   if ((p.Hq * vpr) % 32 != 0 || (p.Hk * vpr) % 32 != 0) return false;
+  // token t's rows of a tensor at t * H * D (flat_ok: heads at stride D)
   const auto dense = [&](const int64_t* st, const int64_t H) {
-    return (H <= 1 || st[2] == p.D) && (p.S <= 1 || st[1] == H * p.D) && (p.B <= 1 || st[0] == p.S * H * p.D);
+    return (p.S <= 1 || st[1] == H * p.D) && (p.B <= 1 || st[0] == p.S * H * p.D);
   };
   if (p.Hq > 0 && (!dense(p.q_stride, p.Hq) || !dense(p.q_out_stride, p.Hq))) return false;
   if (p.Hk > 0 && (!dense(p.k_stride, p.Hk) || !dense(p.k_out_stride, p.Hk))) return false;
   // one position per token at tok * pos_stride_s (or pos_offset + tok)
-  if (p.B > 1 && (p.pos_kind == ROPE_POS_OFFSET || p.pos_stride_b != p.S * p.pos_stride_s)) return false;
-  const bool both = p.Hq > 0 && p.Hk > 0;
-  return p.B * p.S * (both ? 2 : 1) <= 0x7fffffffLL;
+  return p.B <= 1 || (p.pos_kind != ROPE_POS_OFFSET && p.pos_stride_b == p.S * p.pos_stride_s);
 }
 
 LeanShape plan_lean(const RopeParams& p, const int64_t V) {
-  int vpr_log2 = 0;
-  while ((V << vpr_log2) < p.D) ++vpr_log2;
-  return {vpr_log2, (p.Hq > 0 && p.Hk > 0) ? 1 : 0};
+  return {vectors_per_row_log2(p, V), (p.Hq > 0 && p.Hk > 0) ? 1 : 0};
 }
 
 #ifdef ROPE_HOST_EMULATION
