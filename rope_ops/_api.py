@@ -2,19 +2,24 @@
 
 Every check of SPEC "Bad input" happens here, from metadata only, before any kernel runs; then
 the backend is selected (cached per kind of call) and run, through autograd when a gradient is
-needed.
+needed. Repeats of a kind of call take a cached plan (``_plans``).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from . import _select
+from . import _plans, _select
 from ._errors import RopeError
-from ._memory import check_inplace_memory
-from ._ops import BoundRopeFunction, RopeFunction, bind, rope_call, run_backend
-from .backend import LAYOUTS
-from .embedding import RotaryEmbedding, cached_rope, cached_rope_key, check_rotary_dim
+from ._memory import check_inplace_autograd, check_inplace_memory
+from ._ops import BoundRopeFunction, Spec, bind, rotate, rotate_with_grad
+from ._tables import CACHE, table_key
+from .backend import LAYOUTS, RopeCall
+from .embedding import (RotaryEmbedding, check_base, check_max_position, check_rotary_dim,
+                        check_style, default_table_rows, resolve_base, rows_for)
+from .frequencies import SEQ_LEN_TYPES, check_seq_len, frequencies
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _POS_DTYPES = (torch.int32, torch.int64)
@@ -23,98 +28,107 @@ _RANK = {"bshd": 4, "sbhd": 4, "bhsd": 4, "thd": 3}
 # Which dims of q are (batch, seq) -- must match k -- per layout; thd has tokens only.
 _LEADING = {"bshd": (0, 1), "sbhd": (1, 0), "bhsd": (0, 2), "thd": (0,)}
 _HEADS_DIM = {"bshd": 2, "sbhd": 2, "bhsd": 1, "thd": 1}
+_SEQ_DIM = {"bshd": 1, "sbhd": 0, "bhsd": 2, "thd": 0}
+_ENV_VAR = _select.ENV_VAR
+_request_var = _select._context_request
+_is_compiling = torch.compiler.is_compiling
 
 
 def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | None = None,
           style: str | None = None, layout: str | None = None, base: float | None = None,
           scaling: dict | None = None, rope: RotaryEmbedding | None = None,
           cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None, inplace: bool = False,
-          backend: str | None = None, max_position: int | None = None, seq_len: int | None = None):
+          backend: str | None = None, max_position: int | None = None, seq_len: int | None = None,
+          head_dim: int | None = None):
     """Rotate q and k by their tokens' positions (RotaryEmbedding). Returns ``(q_out, k_out)``.
 
     Args:
         q: [B,S,H,D] (bshd, default for 4-D), [S,B,H,D] (sbhd), [B,H,S,D] (bhsd) or [T,H,D]
             (thd, default for 3-D); float32/float16/bfloat16 (float64 on the torch backend);
-            any strides (views into a packed QKV tensor are fine, nothing is copied).
+            any strides (views into a packed QKV tensor are fine, nothing is copied). With
+            ``head_dim``, also [T, H*D] (thd with the heads flattened, as vLLM passes them).
         k: like q, same dtype/device/layout/head_dim/leading dims, any head count; or None.
-        pos: int tensor (int32/int64) of positions, [B,S] or [S] ([T] for thd); or a Python int
-            ``o`` meaning ``o + arange(seq_len)``.
-        rotary_dim: leading dims that rotate (even, <= head_dim; default head_dim).
+        pos: int tensor (int32/int64) of positions, [B,S], [1,S] or [S] ([T] for thd); or a
+            Python int ``o`` meaning ``o + arange(seq_len)``. Any int64 value is valid: positions
+            outside the table are computed on the fly.
+        rotary_dim: leading dims that rotate (even, <= head_dim; default head_dim, or twice the
+            width of ``cos_sin`` tables).
         style: "neox" (pairs i, i+r/2; default) or "gptj" (pairs 2i, 2i+1).
-        base, scaling, max_position, seq_len: frequencies (see RotaryEmbedding); the
-            RotaryEmbedding for them is built once and cached.
+        base, scaling, max_position: frequencies (see RotaryEmbedding); their tables are built
+            once and cached (bounded in bytes).
+        seq_len: the sequence length dynamic NTK / LongRoPE scale for (with ``rope=`` too).
         rope: a RotaryEmbedding to use instead of base/scaling/rotary_dim/style.
         cos_sin: caller-supplied float32 tables (cos, sin), each [max_pos, r/2], holding m*cos and
             m*sin of any frequency scheme; positions outside them give NaN (RopeError where known
             without a device sync).
-        inplace: write into q and k (only the rotary dims are touched) and return them.
+        inplace: write into q and k (only the rotary dims are touched) and return them. Works in
+            training on views of a tensor that requires grad (packed QKV).
         backend: force a backend (a name or a comma list); overrides ROPE_OPS_BACKEND.
+        head_dim: the head size when q and k come as [T, H*D] (2-D); outputs are 2-D too.
     """
-    if cos_sin is None and scaling is None and not inplace and not torch.compiler.is_compiling():
+    if cos_sin is None and scaling is None and inplace is False and head_dim is None \
+            and not _is_compiling():
         # Fast path for repeated calls (decode steps, training steps): everything _apply derives
-        # from metadata is cached under the metadata it read; a plan is the backend's launcher
-        # bound to this call kind's constants (through autograd when a gradient is needed).
-        options = (rotary_dim, style, layout, base, rope, max_position, seq_len,
-                   _select.current_request(backend))
+        # from metadata is cached under the metadata it read (_plans).
         try:
-            guard = _select.guards.get(options)
-        except TypeError:  # an unhashable argument: the full path will say what is wrong
-            guard = None
+            holder = _plans.FUNCTIONAL if rope is None else rope
+            options = (rotary_dim, style, layout, base, max_position, seq_len,
+                       backend if backend is not None else (_request_var.get() or os.environ.get(_ENV_VAR)),
+                       _plans.generation)
+            guards, plans = holder._guards, holder._plans
+            guard = guards.get(options)
+        except (TypeError, AttributeError):  # unhashable or odd arguments: the full path says what
+            guard = plans = None
         if guard is not None:
-            # A repeat of the last call kind with these options: the backend's guard checks the
-            # tensors' metadata itself (cheaper than building and hashing the key) and returns
-            # None on a change.
-            out = guard(q, k, pos)
+            out = guard(q, k, pos)  # None when the tensors' metadata differ from the guarded call's
             if out is not None:
                 return out
-        key = _plan_key(q, k, pos, options)
-        try:
-            entry = None if key is None else _select.plans.get(key)
-        except TypeError:  # an unhashable argument: the full path will say what is wrong
-            key = entry = None
+        key = None if plans is None else _plan_key(q, k, pos, options)
         if key is not None:
+            entry = plans.get(key)
             if entry is None:
-                plan = _plan(q, k, pos, rotary_dim, style, layout, base, rope, backend, max_position, seq_len)
-                if plan is not None:
-                    guarded = getattr(plan, "guarded", None)
-                    guard = guarded(q, k, pos) if guarded is not None and not key[-1] else None
-                    entry = (plan, guard)
-                    _select.remember_plan(key, entry)
-            if entry is not None:
-                plan, guard = entry
-                if guard is not None:
-                    _select.remember_guard(options, guard)
-                if key[4] is int:  # the backend's forward, bound to this call kind's constants
-                    return plan(q, k, None, pos)
-                return plan(q, k, pos, 0)
-    return _apply(q, k, pos, rotary_dim, style, layout, base, scaling, rope, cos_sin, inplace,
-                  backend, max_position, seq_len, inverse=False)
+                plan = _apply(q, k, pos, _kwargs(rotary_dim, style, layout, base, None, rope, None,
+                                                 False, backend, max_position, seq_len, None),
+                              mode="plan")
+                guarded = getattr(plan, "guarded", None)
+                guard = guarded(q, k, pos) if guarded is not None and not key[-1] else None
+                entry = (plan, guard)
+                _plans.remember_plan(holder, key, entry)
+            plan, guard = entry
+            if guard is not None:
+                _plans.remember_guard(holder, options, guard)
+            if key[4] is int:
+                return plan(q, k, None, pos)
+            return plan(q, k, pos, 0)
+    return _apply(q, k, pos, _kwargs(rotary_dim, style, layout, base, scaling, rope, cos_sin,
+                                     inplace, backend, max_position, seq_len, head_dim))
+
+
+def _kwargs(rotary_dim, style, layout, base, scaling, rope, cos_sin, inplace, backend,
+            max_position, seq_len, head_dim) -> dict:
+    return {"rotary_dim": rotary_dim, "style": style, "layout": layout, "base": base,
+            "scaling": scaling, "rope": rope, "cos_sin": cos_sin, "inplace": inplace,
+            "backend": backend, "max_position": max_position, "seq_len": seq_len,
+            "head_dim": head_dim}
+
+
+_KWARG_NAMES = tuple(_kwargs(*([None] * 12)))
 
 
 def _plan_key(q, k, pos, options):
-    """The metadata a call's validation and selection read (whether it needs a gradient
-    included, last), or None (no fast path). ``options``: apply's keyword arguments that matter
-    and the backend request."""
+    """The metadata a call's validation and selection read (whether it needs a gradient last),
+    or None (no fast path for it)."""
     if type(q) is not torch.Tensor or (k is not None and type(k) is not torch.Tensor):
         return None
     needs_grad = (q.requires_grad or (k is not None and k.requires_grad)) and torch.is_grad_enabled()
-    rope = options[4]
-    if rope is not None and type(rope) is not RotaryEmbedding:
-        return None
     if type(pos) is int and -(2**62) < pos < 2**62:
         pos_key = int
     elif type(pos) is torch.Tensor:
-        pos_key = (pos.shape, pos.dtype, pos.device)
+        pos_key = (pos.shape, pos.stride(), pos.dtype, pos.device)
     else:
         return None
     k_key = None if k is None else (k.shape, k.stride(), k.dtype, k.device)
     return (q.shape, q.stride(), q.dtype, q.device, pos_key, k_key, options, needs_grad)
-
-
-def _plan(q, k, pos, rotary_dim, style, layout, base, rope, backend, max_position, seq_len):
-    """Validate and select once, the full way; return what a repeat of this call needs."""
-    return _apply(q, k, pos, rotary_dim, style, layout, base, None, rope, None, False, backend,
-                  max_position, seq_len, inverse=False, select_only="plan")
 
 
 def apply_grad(grad_q: torch.Tensor, grad_k: torch.Tensor | None, pos, **kwargs):
@@ -122,30 +136,49 @@ def apply_grad(grad_q: torch.Tensor, grad_k: torch.Tensor | None, pos, **kwargs)
 
     Takes the same keyword arguments as ``apply`` (same frequencies, layout, style) and rotates
     by minus the angle; pass-through dims get the gradient unchanged. For callers that run their
-    own backward; ``apply`` already has it wired into autograd.
+    own backward; ``apply`` already has it wired into autograd. Differentiable itself.
     """
-    names = ("rotary_dim", "style", "layout", "base", "scaling", "rope", "cos_sin", "inplace",
-             "backend", "max_position", "seq_len")
-    unknown = set(kwargs) - set(names)
+    unknown = set(kwargs) - set(_KWARG_NAMES)
     if unknown:
         raise TypeError(f"apply_grad() got unexpected keyword arguments {sorted(unknown)}")
-    values = [kwargs.get(n, False if n == "inplace" else None) for n in names]
-    return _apply(grad_q, grad_k, pos, *values, inverse=True)
+    options = {name: kwargs.get(name) for name in _KWARG_NAMES}
+    options["inplace"] = kwargs.get("inplace", False)
+    return _apply(grad_q, grad_k, pos, options, inverse=True)
 
 
-def which_backend(q, k, pos, *, rotary_dim=None, style=None, layout=None, base=None, scaling=None,
-                  rope=None, cos_sin=None, inplace=False, backend=None, max_position=None, seq_len=None):
+def which_backend(q, k, pos, **kwargs) -> str:
     """The name of the backend ``apply`` would run for these arguments (nothing is computed)."""
-    return _apply(q, k, pos, rotary_dim, style, layout, base, scaling, rope, cos_sin, inplace,
-                  backend, max_position, seq_len, inverse=False, select_only=True)
+    unknown = set(kwargs) - set(_KWARG_NAMES)
+    if unknown:
+        raise TypeError(f"select_backend() got unexpected keyword arguments {sorted(unknown)}")
+    options = {name: kwargs.get(name) for name in _KWARG_NAMES}
+    options["inplace"] = kwargs.get("inplace", False)
+    return _apply(q, k, pos, options, mode="select")
 
 
-def _apply(q, k, pos, rotary_dim, style, layout, base, scaling, rope, cos_sin, inplace, backend,
-           max_position, seq_len, inverse, select_only=False):
-    layout, head_dim, leading = _check_tensors(q, k, layout)
+# ---------------------------------------------------------------------------------------------
+# The full path.
+
+
+def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
+    """Validate, resolve the tables, select, and run (mode "run"), or return the backend's name
+    ("select") or a plan for repeats of this call kind ("plan")."""
+    head_dim_arg = kw["head_dim"]
+    flat = head_dim_arg is not None
+    if flat:
+        q, k, layout_arg = _unflatten_heads(q, k, head_dim_arg, kw["layout"])
+    else:
+        layout_arg = kw["layout"]
+    layout, head_dim, leading = _check_tensors(q, k, layout_arg)
+    rope, cos_sin = kw["rope"], kw["cos_sin"]
+    style, rotary_dim = kw["style"], kw["rotary_dim"]
+    base, scaling = kw["base"], kw["scaling"]
+    max_position, seq_len = check_max_position(kw["max_position"]), check_seq_len(kw["seq_len"])
     if rope is not None:
-        if rotary_dim is not None or base is not None or scaling is not None or cos_sin is not None:
-            raise RopeError("rope: pass either rope= or rotary_dim/base/scaling/cos_sin, not both")
+        if rotary_dim is not None or base is not None or scaling is not None or cos_sin is not None \
+                or max_position is not None:
+            raise RopeError("rope: pass either rope= or rotary_dim/base/scaling/max_position/cos_sin, "
+                            "not both")
         if not isinstance(rope, RotaryEmbedding):
             raise RopeError(f"rope: expected a rope_ops.RotaryEmbedding, got {type(rope).__name__}")
         if rope.head_dim != head_dim:
@@ -154,82 +187,155 @@ def _apply(q, k, pos, rotary_dim, style, layout, base, scaling, rope, cos_sin, i
             raise RopeError(f"style: {style!r} differs from rope.style {rope.style!r}")
         rotary_dim, style = rope.rotary_dim, rope.style
     else:
-        style = "neox" if style is None else style
-        if style not in ("neox", "gptj"):
-            raise RopeError(f"style: expected 'neox' or 'gptj', got {style!r}")
-        if rotary_dim is None:
-            rotary_dim = head_dim if cos_sin is None or not _is_pair(cos_sin) else _table_rotary_dim(cos_sin)
+        style = "neox" if style is None else check_style(style)
+        if cos_sin is not None:
+            if base is not None or scaling is not None or max_position is not None:
+                raise RopeError("cos_sin: caller tables replace base/scaling/max_position; pass one or "
+                                "the other")
+            if seq_len is not None:
+                raise RopeError("seq_len: caller tables (cos_sin) already fix the frequencies; "
+                                "seq_len has nothing to scale")
+            width = _table_width(cos_sin)
+            if rotary_dim is None:
+                rotary_dim = 2 * width  # a narrower table than the head: partial rotary
+            elif rotary_dim != 2 * width:
+                raise RopeError(f"cos_sin: tables of width {width} rotate {2 * width} dims, but "
+                                f"rotary_dim is {rotary_dim} (width must be rotary_dim/2)")
+        elif rotary_dim is None:
+            rotary_dim = head_dim
         check_rotary_dim(rotary_dim, head_dim)
-    if not isinstance(inplace, bool):
+        check_base(base)
+    if not isinstance(inplace := kw["inplace"], bool):
         raise RopeError(f"inplace: expected a bool, got {inplace!r}")
     device = q.device
     pos_offset, pos_tensor = _check_pos(pos, q, layout, leading)
+    request = _select.current_request(kw["backend"])
+    compiling = _is_compiling()
 
-    compiling = torch.compiler.is_compiling()
+    # The tables.
     if cos_sin is not None:
-        if base is not None or scaling is not None:
-            raise RopeError("cos_sin: caller tables replace base/scaling; pass one or the other")
         cos, sin = _check_tables(cos_sin, rotary_dim, device)
-        freq_turns, attention_factor, rope_key = None, 1.0, ""
+        freq_turns, attention_factor = None, 1.0
         if pos_tensor is None:
-            _check_positions_inside(pos_offset, pos_offset + _n_tokens(q, layout), cos.shape[0])
+            _check_positions_inside(pos_offset, pos_offset + q.shape[_SEQ_DIM[layout]], cos.shape[0])
         elif pos_tensor.device.type == "cpu" and pos_tensor.numel() and not compiling:
             _check_positions_inside(int(pos_tensor.min()), int(pos_tensor.max()) + 1, cos.shape[0])
-    elif compiling:
-        # Traced: refer to the frequencies by key; the op fetches the tables when it runs.
-        if rope is None:
-            rope_key = cached_rope_key(head_dim, rotary_dim, base, scaling, max_position, style, seq_len)
-        else:
-            rope_key = rope.key
-        cos = sin = freq_turns = None
-        attention_factor = 1.0
+    elif rope is not None:
+        cos, sin, freq_turns, attention_factor = _rope_tables(rope, device, seq_len, compiling)
     else:
-        if rope is None:
-            rope = cached_rope(head_dim, rotary_dim, base, scaling, max_position, style, seq_len)
-        cos, sin, freq_turns = rope.tables(device)
-        attention_factor, rope_key = rope.attention_factor, rope.key
+        cos, sin, freq_turns, attention_factor = _functional_tables(
+            rotary_dim, base, scaling, max_position, seq_len, device, compiling)
 
     grad_enabled = torch.is_grad_enabled()
-    if inplace:
-        for name, t in (("q", q), ("k", k)):
-            if t is not None and t.requires_grad and t.is_leaf and grad_enabled:
-                raise RopeError(f"{name}: in-place on a leaf tensor that requires grad")
-        if not compiling:  # traced: the in-place op checks memory when it runs
-            check_inplace_memory(q, k)
     needs_grad = grad_enabled and (q.requires_grad or (k is not None and k.requires_grad))
-    k_heads = 0 if k is None else k.shape[_HEADS_DIM[layout]]
-    call = (device.type, q.dtype, layout, style, head_dim, rotary_dim,
-            q.shape[_HEADS_DIM[layout]], k_heads, inplace,
-            None if pos_tensor is None else pos_tensor.dtype, freq_turns is None, needs_grad,
-            q.stride(-1) == 1 and (k is None or k.stride(-1) == 1))
+    split = False
+    if inplace:
+        if not compiling:  # traced: the in-place op checks memory when it runs
+            check_inplace_autograd("q", q, needs_grad)
+            if k is not None:
+                check_inplace_autograd("k", k, needs_grad)
+            check_inplace_memory(q, k)
+        # autograd lets a Function that writes a view in place return that one tensor only
+        split = needs_grad and k is not None and (q._is_view() or k._is_view())
     interleaved = style == "gptj"
-    if compiling:
-        chosen = _select.select_name_constant(call, backend)
+    call = RopeCall(device.type, q.dtype, layout, style, head_dim, rotary_dim,
+                    q.shape[_HEADS_DIM[layout]], 0 if k is None else k.shape[_HEADS_DIM[layout]],
+                    inplace, None if pos_tensor is None else pos_tensor.dtype, freq_turns is None,
+                    needs_grad, q.stride(-1) == 1 and (k is None or k.stride(-1) == 1))
+    selected = None if compiling else _select.select(call, request)
+    if mode == "select":
+        return selected.name if selected is not None else request
+    if mode == "plan":
+        return _make_plan(selected, call, cos, sin, freq_turns, attention_factor, layout,
+                          rotary_dim, interleaved, needs_grad)
+    spec = Spec(layout, rotary_dim, interleaved, inplace, request, selected)
+    if needs_grad:
+        q_out, k_out = rotate_with_grad(spec, q, k, pos_tensor, pos_offset, cos, sin, freq_turns,
+                                        attention_factor, inverse, split)
     else:
-        selected = _select.select(call, backend)
-        chosen = selected.name
-        if select_only == "plan":
-            forward = bind(selected, cos, sin, freq_turns, attention_factor, layout, rotary_dim,
-                           interleaved, False)
-            if not needs_grad:
-                return forward
-            bound = (forward, bind(selected, cos, sin, freq_turns, attention_factor, layout,
-                                   rotary_dim, interleaved, True))
+        q_out, k_out = rotate(spec, q, k, pos_tensor, pos_offset, cos, sin, freq_turns,
+                              attention_factor, inverse, call=call)
+    if flat:
+        q_out = q_out.flatten(-2)
+        k_out = None if k_out is None else k_out.flatten(-2)
+    return q_out, k_out
 
-            def autograd_plan(q, k, pos_tensor, pos_offset):
-                return BoundRopeFunction.apply(q, k, pos_tensor, pos_offset, bound)
 
-            return autograd_plan
-        if select_only:
-            return chosen
-        if not needs_grad or inverse:  # the hot inference path: straight to the backend
-            return run_backend(selected, q, k, pos_tensor, pos_offset, cos, sin, freq_turns,
-                               attention_factor, layout, rotary_dim, interleaved, inverse, inplace)
-    if needs_grad and not inverse:
-        return RopeFunction.apply(q, k, pos_tensor, pos_offset, cos, sin, freq_turns, attention_factor,
-                                  rope_key, layout, rotary_dim, interleaved, inplace, chosen)
-    return rope_call(chosen, q, k, pos_tensor, pos_offset, cos, sin, freq_turns, attention_factor,
-                     rope_key, layout, rotary_dim, interleaved, inverse, inplace)
+def _make_plan(backend, call, cos, sin, freq_turns, attention_factor, layout, rotary_dim,
+               interleaved, needs_grad):
+    """What a repeat of this call kind needs: the backend's forward bound to the call's tables
+    and constants, through autograd when a gradient is needed."""
+    forward = bind(backend, cos, sin, freq_turns, attention_factor, layout, rotary_dim,
+                   interleaved, False, call)
+    if not needs_grad:
+        return forward
+    bound = (forward, bind(backend, cos, sin, freq_turns, attention_factor, layout, rotary_dim,
+                           interleaved, True, call))
+
+    def autograd_plan(q, k, pos_tensor, pos_offset):
+        return BoundRopeFunction.apply(q, k, pos_tensor, pos_offset, bound)
+
+    return autograd_plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables.
+
+
+@torch._dynamo.assume_constant_result
+def _traced_table_key(rotary_dim: int, base: float, scaling, max_position, seq_len, rows: int,
+                      device: str) -> str:
+    """Builds (once, at trace time) the tables for these frequencies and returns their cache
+    key; traced code then reads them out of the cache (see _tables)."""
+    freqs = frequencies(rotary_dim, base, scaling, max_position, seq_len)
+    rows, device = rows_for(freqs, rows), torch.device(device)
+    CACHE.get(freqs, rows, device)
+    return table_key(freqs, rows, device)
+
+
+def _rope_tables(rope: RotaryEmbedding, device, seq_len, compiling):
+    if not compiling:
+        return rope.tables(device, seq_len)
+    if (seq_len is None or rope.rope_type not in SEQ_LEN_TYPES) and rope.cos_table.device == device:
+        return rope.cos_table, rope.sin_table, rope.freq_turns, rope.attention_factor
+    key = _traced_table_key(rope.rotary_dim, rope.base, rope.scaling, rope.max_position, seq_len,
+                            rope._default_rows, str(device))
+    return CACHE.by_key(key)
+
+
+def _functional_tables(rotary_dim, base, scaling, max_position, seq_len, device, compiling):
+    base = resolve_base(base, scaling)
+    rows = default_table_rows(max_position)
+    if compiling:
+        return CACHE.by_key(_traced_table_key(int(rotary_dim), base, scaling, max_position, seq_len,
+                                              rows, str(device)))
+    freqs = frequencies(rotary_dim, base, scaling, max_position, seq_len)
+    return CACHE.get(freqs, rows_for(freqs, rows), device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (metadata only).
+
+
+def _unflatten_heads(q, k, head_dim, layout):
+    if layout not in (None, "thd"):
+        raise RopeError(f"head_dim: 2-D q and k ([T, H*head_dim]) are thd; got layout {layout!r}")
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0:
+        raise RopeError(f"head_dim: expected an int > 0, got {head_dim!r}")
+    out = []
+    for name, t in (("q", q), ("k", k)):
+        if t is None and name == "k":
+            out.append(None)
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise RopeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise RopeError(f"{name}: with head_dim, expected a 2-D [T, H*head_dim] tensor, got "
+                            f"{t.dim()}-D shape {tuple(t.shape)}")
+        if t.shape[1] % head_dim:
+            raise RopeError(f"{name}: last dim {t.shape[1]} is not a multiple of head_dim {head_dim}")
+        out.append(t.unflatten(-1, (t.shape[1] // head_dim, head_dim)))
+    return out[0], out[1], "thd"
 
 
 def _check_tensors(q, k, layout):
@@ -242,9 +348,9 @@ def _check_tensors(q, k, layout):
     if layout is None:
         layout = _DEFAULT_LAYOUT.get(rank)
         if layout is None:
-            raise RopeError(f"q: expected a 4-D [B,S,H,D] or 3-D [T,H,D] tensor, got {rank}-D "
-                            f"shape {tuple(shape)}")
-    elif layout not in _RANK:
+            raise RopeError(f"q: expected a 4-D [B,S,H,D] or 3-D [T,H,D] tensor (or 2-D [T, H*D] "
+                            f"with head_dim=), got {rank}-D shape {tuple(shape)}")
+    elif not isinstance(layout, str) or layout not in _RANK:
         raise RopeError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     elif rank != _RANK[layout]:
         raise RopeError(f"q: layout {layout!r} needs a {_RANK[layout]}-D tensor, got {rank}-D "
@@ -271,44 +377,47 @@ def _check_tensors(q, k, layout):
 
 
 def _check_pos(pos, q, layout, leading):
-    """(offset, tensor-or-None)."""
+    """(offset, tensor-or-None); a [1, S] tensor for a batch of B is broadcast (a view)."""
     if isinstance(pos, bool) or not isinstance(pos, (int, torch.Tensor)):
         raise RopeError(f"pos: expected an int tensor or a Python int, got {type(pos).__name__}")
     if isinstance(pos, int):
         if abs(pos) >= 2**62:
-            raise RopeError(f"pos: offset {pos} out of range")
+            raise RopeError(f"pos: offset {pos} out of range (|offset| < 2**62)")
         return pos, None
     if pos.dtype not in _POS_DTYPES:
         raise RopeError(f"pos: expected dtype int32 or int64, got {pos.dtype}")
     if pos.device != q.device:
         raise RopeError(f"pos: device {pos.device} differs from q's {q.device}")
+    shape = tuple(pos.shape)
     if layout == "thd":
-        if tuple(pos.shape) != leading:
-            raise RopeError(f"pos: layout 'thd' needs shape [T] = {list(leading)}, got {list(pos.shape)}")
-    elif tuple(pos.shape) not in (leading, leading[1:]):
-        raise RopeError(f"pos: layout {layout!r} needs shape [B,S] = {list(leading)} or [S] = "
-                        f"{list(leading[1:])}, got {list(pos.shape)}")
+        if shape != leading:
+            raise RopeError(f"pos: layout 'thd' needs shape [T] = {list(leading)}, got {list(shape)}")
+    elif shape == (1, leading[1]) and leading[0] != 1:
+        pos = pos.expand(leading[0], leading[1])
+    elif shape not in (leading, leading[1:]):
+        raise RopeError(f"pos: layout {layout!r} needs shape [B,S] = {list(leading)}, [1,S] or [S] = "
+                        f"{list(leading[1:])}, got {list(shape)}")
     return 0, pos
 
 
-def _is_pair(value) -> bool:
-    return isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(t, torch.Tensor) for t in value)
-
-
-def _table_rotary_dim(cos_sin) -> int:
+def _table_width(cos_sin) -> int:
+    if not (isinstance(cos_sin, (tuple, list)) and len(cos_sin) == 2
+            and all(isinstance(t, torch.Tensor) for t in cos_sin)):
+        raise RopeError("cos_sin: expected a pair (cos, sin) of float32 tensors [max_pos, rotary_dim/2]")
     cos = cos_sin[0]
-    return 2 * cos.shape[-1] if cos.dim() == 2 else -1
+    if cos.dim() != 2:
+        raise RopeError(f"cos_sin: cos must be 2-D [max_pos, rotary_dim/2], got shape {list(cos.shape)}")
+    return cos.shape[1]
 
 
 def _check_tables(cos_sin, rotary_dim, device):
-    if not _is_pair(cos_sin):
-        raise RopeError("cos_sin: expected a pair (cos, sin) of float32 tensors [max_pos, rotary_dim/2]")
     cos, sin = cos_sin
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dtype != torch.float32:
             raise RopeError(f"cos_sin: {name} must be float32, got {t.dtype}")
         if t.dim() != 2 or t.shape[1] != rotary_dim // 2:
-            raise RopeError(f"cos_sin: {name} must have shape [max_pos, {rotary_dim // 2}], got {list(t.shape)}")
+            raise RopeError(f"cos_sin: {name} must have shape [max_pos, {rotary_dim // 2}], got "
+                            f"{list(t.shape)}")
         if t.device != device:
             raise RopeError(f"cos_sin: {name} on {t.device}, q on {device}")
         if t.requires_grad:
@@ -324,8 +433,8 @@ def _check_positions_inside(low: int, high: int, n_rows: int) -> None:
                         f"of {n_rows} rows")
 
 
-def _n_tokens(q, layout) -> int:
-    return q.shape[{"bshd": 1, "sbhd": 0, "bhsd": 2, "thd": 0}[layout]]
+# ---------------------------------------------------------------------------------------------
+# Positions helpers.
 
 
 def positions_from_seqlens(seqlens=None, *, cu_seqlens=None, start=None, device=None,
@@ -334,32 +443,51 @@ def positions_from_seqlens(seqlens=None, *, cu_seqlens=None, start=None, device=
 
     Give per-sequence lengths ``seqlens`` [N] or cumulative ``cu_seqlens`` [N+1] (FlashAttention
     style), and optionally per-sequence start offsets ``start`` [N] (e.g. tokens already in the KV
-    cache). Token j of sequence n gets position ``start[n] + j``. Stays on the device: no host sync
-    unless ``seqlens`` is a Python list.
+    cache). Token j of sequence n gets position ``start[n] + j``. Lengths are checked (>= 0,
+    cu_seqlens starting at 0 and non-decreasing), which reads them: a host sync when they are on
+    a device (computing [T] from them needs its size anyway).
     """
     if (seqlens is None) == (cu_seqlens is None):
         raise RopeError("positions_from_seqlens: give exactly one of seqlens and cu_seqlens")
+    if dtype not in _POS_DTYPES:
+        raise RopeError(f"dtype: expected torch.int32 or torch.int64, got {dtype}")
+    name = "seqlens" if seqlens is not None else "cu_seqlens"
+    try:
+        given = torch.as_tensor(seqlens if seqlens is not None else cu_seqlens, device=device)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise RopeError(f"{name}: expected a 1-D sequence of ints: {error}") from None
+    if given.dtype.is_floating_point or given.dtype.is_complex or given.dtype == torch.bool:
+        raise RopeError(f"{name}: expected integers, got dtype {given.dtype}")
+    given = given.to(torch.int64)
+    if given.dim() != 1:
+        raise RopeError(f"{name}: expected a 1-D sequence, got shape {list(given.shape)}")
     if seqlens is not None:
-        lengths = torch.as_tensor(seqlens, device=device, dtype=torch.int64)
-        if lengths.dim() != 1:
-            raise RopeError(f"seqlens: expected a 1-D sequence of lengths, got shape {list(lengths.shape)}")
+        lengths = given
         cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
     else:
-        cu = torch.as_tensor(cu_seqlens, device=device, dtype=torch.int64)
-        if cu.dim() != 1 or cu.numel() < 1:
-            raise RopeError(f"cu_seqlens: expected a 1-D tensor [N+1], got shape {list(cu.shape)}")
+        if given.numel() < 1:
+            raise RopeError("cu_seqlens: expected [N+1] cumulative lengths starting at 0, got an empty one")
+        cu = given
         lengths = cu[1:] - cu[:-1]
+        if int(cu[0]) != 0:
+            raise RopeError(f"cu_seqlens: must start at 0, starts at {int(cu[0])}")
+    if lengths.numel() and bool((lengths < 0).any()):
+        raise RopeError(f"{name}: lengths must be >= 0 ({'non-decreasing' if cu_seqlens is not None else 'no negative'}"
+                        f" values), got {given.tolist() if given.numel() <= 16 else 'a negative one'}")
     device = cu.device
-    n_tokens = int(cu[-1]) if seqlens is not None and not isinstance(seqlens, torch.Tensor) else None
+    n_tokens = int(cu[-1])
     seq_of_token = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths,
                                            output_size=n_tokens)
-    token = torch.arange(seq_of_token.numel(), device=device)
+    token = torch.arange(n_tokens, device=device)
     positions = token - cu[:-1][seq_of_token]
     if start is not None:
-        start = torch.as_tensor(start, device=device, dtype=torch.int64)
+        start = torch.as_tensor(start, device=device)
+        if start.dtype.is_floating_point or start.dtype == torch.bool:
+            raise RopeError(f"start: expected integers, got dtype {start.dtype}")
         if start.shape != lengths.shape:
-            raise RopeError(f"start: expected one offset per sequence {list(lengths.shape)}, got {list(start.shape)}")
-        positions = positions + start[seq_of_token]
+            raise RopeError(f"start: expected one offset per sequence {list(lengths.shape)}, got "
+                            f"{list(start.shape)}")
+        positions = positions + start.to(torch.int64)[seq_of_token]
     return positions.to(dtype)
 
 
@@ -370,4 +498,8 @@ def seq_len_of(pos) -> int:
     """
     if isinstance(pos, int):
         raise RopeError("seq_len_of: an int offset has no length; pass the positions tensor")
+    if not isinstance(pos, torch.Tensor) or pos.dtype not in _POS_DTYPES:
+        raise RopeError(f"pos: expected an int32/int64 tensor, got {pos!r:.60}")
+    if pos.numel() == 0:
+        raise RopeError("pos: no positions, no length")
     return int(pos.max()) + 1

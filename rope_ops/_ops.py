@@ -1,134 +1,206 @@
-"""torch.library registration of the op, and autograd.
+"""Running a backend: the torch.library ops (for torch.compile), autograd, and the checks rope_ops
+makes around every backend's ``run``.
 
-The op schema is defined once here, backend-agnostic; its one kernel (CompositeExplicitAutograd,
-every device) runs the backend named in the call, and a fake kernel gives torch.compile the
-output metadata. Autograd lives in an ``autograd.Function`` outside the op, whose backward is the
-same op with ``inverse=True`` (RotaryEmbeddingGrad).
+The op schemas are defined once here, backend-agnostic, and carry every argument of a call: the
+tables are tensor arguments (a compiled graph holds or receives them; nothing is looked up by
+key when it runs), the backend request is a string resolved when the op runs. Their one kernel
+(CompositeExplicitAutograd, every device) runs the selected backend; fake kernels give
+torch.compile the output metadata. Autograd lives in ``autograd.Function``s outside the ops,
+whose backward is the same rotation with ``inverse`` flipped (RotaryEmbeddingGrad); when a graph
+of the backward is asked for (``create_graph=True``) the backward is itself a Function, so
+second derivatives are right on every backend.
 
-Host cost: going through the dispatcher costs several microseconds per call (measured in
-BENCHMARKS.md), a large share of the 15 us budget of a decode step, so eager calls run the
-backend directly and only traced code (torch.compile) goes through ``torch.ops.rope_ops``. Both
-paths run the same ``run_backend``.
+Host cost: the dispatcher costs several microseconds per call, a large share of a decode step,
+so eager calls run the backend directly and only traced code goes through ``torch.ops.rope_ops``.
+Both paths run ``run_backend``.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from . import registry
-from ._memory import check_inplace_memory
-from .backend import KernelArgs
-from .embedding import rope_by_key
+from . import _select, registry
+from ._errors import BackendError
+from .backend import Backend, KernelArgs, RopeCall
 
 _LIB = torch.library.Library("rope_ops", "DEF")  # kept alive for the life of the process
-# The frequencies travel as ``rope_key`` (a RotaryEmbedding registered by key, whose tables are
-# fetched for the tensors' device at run time), or as caller tables cos/sin (then rope_key is "").
-_LIB.define(
-    "rope(Tensor q, Tensor? k, Tensor? pos, SymInt pos_offset, Tensor? cos, Tensor? sin, "
-    "str rope_key, str layout, int rotary_dim, bool interleaved, bool inverse, str backend) "
-    "-> (Tensor, Tensor)")
-_LIB.define(
-    "rope_(Tensor(a!) q, Tensor(b!)? k, Tensor? pos, SymInt pos_offset, Tensor? cos, Tensor? sin, "
-    "str rope_key, str layout, int rotary_dim, bool interleaved, str backend) -> ()")
+_ARGS = ("Tensor? pos, SymInt pos_offset, Tensor cos, Tensor sin, Tensor? freq_turns, "
+         "float attention_factor, str layout, int rotary_dim, bool interleaved, bool inverse, "
+         "bool needs_grad, str backend")
+_LIB.define(f"rope(Tensor q, Tensor? k, {_ARGS}) -> (Tensor, Tensor)")
+_LIB.define(f"rope_(Tensor(a!) q, Tensor(b!)? k, {_ARGS}) -> ()")
 
 
-def _tables(q, cos, sin, rope_key):
-    """(cos, sin, freq_turns, attention_factor) for the call."""
-    if cos is not None:
-        return cos, sin, None, 1.0
-    rope = rope_by_key(rope_key)
-    cos, sin, freq_turns = rope.tables(q.device)
-    return cos, sin, freq_turns, rope.attention_factor
+class Spec(NamedTuple):
+    """The non-tensor part of a call that autograd carries from forward to backward."""
+
+    layout: str
+    rotary_dim: int
+    interleaved: bool
+    inplace: bool
+    request: str  # the backend request ('auto', a name, a comma list)
+    backend: Backend | None  # the backend selected for it (eager); None when traced
 
 
-def run_backend(backend_name, q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout,
-                rotary_dim, interleaved, inverse, inplace, separate_outputs=False):
-    """Run the backend (a name, or the object itself on the eager path), allocating outputs out
-    of place unless it does so itself (``separate_outputs``: always here, one storage each; a
-    backend may put both in one allocation). Returns (q_out, k_out)."""
-    backend = registry.get(backend_name) if isinstance(backend_name, str) else backend_name
-    if inplace:
+# ---------------------------------------------------------------------------------------------
+# Around every backend's run.
+
+_verified: set = set()  # (backend name, call) of third-party backends whose outputs were checked
+
+
+def run_backend(backend: Backend, args: KernelArgs, call: tuple | None = None,
+                separate_outputs: bool = False):
+    """Run ``backend`` on ``args`` and return (q_out, k_out).
+
+    Out of place it allocates the outputs unless the backend does (``allocates_outputs``; never
+    when ``separate_outputs``: the op's outputs may share no storage). In place it moves q's and
+    k's version counters, so autograd sees the write whatever the backend wrote through. The
+    first call of each kind on a third-party backend is checked (``_check_outputs``).
+    """
+    q, k = args.q, args.k
+    if args.inplace:
         q_out, k_out = q, k
+    elif args.q_out is not None:
+        q_out, k_out = args.q_out, args.k_out
     elif backend.allocates_outputs and not separate_outputs:
         q_out = k_out = None
     else:
         q_out = torch.empty_like(q)
         k_out = None if k is None else torch.empty_like(k)
-    if 0 in q.shape and (k is None or 0 in k.shape):
+    if q.numel() == 0 and (k is None or k.numel() == 0):
         if q_out is None:
             q_out, k_out = torch.empty_like(q), (None if k is None else torch.empty_like(k))
         return q_out, k_out
-    made = backend.run(KernelArgs(q, k, q_out, k_out, pos, pos_offset, cos, sin, freq_turns,
-                                  attention_factor, layout, rotary_dim, interleaved, inverse, inplace))
-    return (q_out, k_out) if q_out is not None else made
+    check = (call is not None and not registry.is_builtin(backend.name)
+             and (backend.name, call) not in _verified)
+    if check and not args.inplace:
+        if q_out is None:  # see that every output element gets written: start from NaN
+            q_out = torch.empty_like(q)
+            k_out = None if k is None else torch.empty_like(k)
+        q_out.fill_(float("nan"))
+        if k_out is not None:
+            k_out.fill_(float("nan"))
+    made = backend.run(args._replace(q_out=q_out, k_out=k_out))
+    if args.inplace:
+        for t in (q, k):
+            if t is not None and not t.is_inference():
+                torch.autograd.graph.increment_version(t)
+    elif q_out is None:
+        if not (isinstance(made, tuple) and len(made) == 2):
+            raise BackendError(f"backend {backend.name!r}: run() must return (q_out, k_out) when it "
+                               f"allocates the outputs, got {type(made).__name__}")
+        q_out, k_out = made
+    if check:
+        _check_outputs(backend, args, q_out, k_out)
+        _verified.add((backend.name, call))
+    return q_out, k_out
 
 
-def bind(backend, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved, inverse):
-    """``(q, k, pos, pos_offset) -> (q_out, k_out)`` for repeated eager out-of-place calls of one
-    kind (``inverse``: the backward): the backend's own bound launcher when it has one, else
-    run_backend with these constants."""
-    bound = backend.bind(cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved,
-                         inverse)
-    if bound is not None:
-        return bound
+def _check_outputs(backend: Backend, args: KernelArgs, q_out, k_out) -> None:
+    """A third-party backend's first call of a kind: outputs of the inputs' shape, dtype and
+    device; out of place, every element written (none left at the NaN put there) and the
+    pass-through dims copied. One host sync, once per kind (skipped while capturing a graph)."""
+    for name, x, out in (("q", args.q, q_out), ("k", args.k, k_out)):
+        if x is None:
+            continue
+        if not isinstance(out, torch.Tensor):
+            raise BackendError(f"backend {backend.name!r} returned no tensor for {name}_out")
+        if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+            raise BackendError(f"backend {backend.name!r} returned {name}_out of shape "
+                               f"{list(out.shape)}, {out.dtype}, {out.device}; expected "
+                               f"{list(x.shape)}, {x.dtype}, {x.device}")
+        if args.inplace or (out.is_cuda and torch.cuda.is_current_stream_capturing()):
+            continue
+        r = args.rotary_dim
+        finite_in = torch.isfinite(x[..., :r]).all(dim=-1)
+        unwritten = (torch.isnan(out[..., :r]).all(dim=-1) & finite_in).any()
+        tail_same = torch.equal(out[..., r:], x[..., r:]) or bool(
+            ((out[..., r:] == x[..., r:]) | (out[..., r:].isnan() & x[..., r:].isnan())).all())
+        if bool(unwritten) and args.freq_turns is not None:
+            raise BackendError(f"backend {backend.name!r} left rows of {name}_out unwritten")
+        if not tail_same:
+            raise BackendError(f"backend {backend.name!r} did not copy the pass-through dims "
+                               f"[{r}, {x.shape[-1]}) of {name}")
 
-    def rotate(q, k, pos, pos_offset):
-        return run_backend(backend, q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor,
-                           layout, rotary_dim, interleaved, inverse, False)
 
-    return rotate
+def rotate(spec: Spec, q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, inverse,
+           needs_grad=False, call=None):
+    """One rotation: the backend directly in eager mode, ``torch.ops.rope_ops`` when traced.
+    Returns (q_out, k_out); in place, (q, k)."""
+    if not torch.compiler.is_compiling():
+        args = KernelArgs(q, k, None, None, pos, pos_offset, cos, sin, freq_turns,
+                          attention_factor, spec.layout, spec.rotary_dim, spec.interleaved,
+                          inverse, spec.inplace)
+        return run_backend(spec.backend, args, call)
+    if spec.inplace:
+        torch.ops.rope_ops.rope_(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor,
+                                 spec.layout, spec.rotary_dim, spec.interleaved, inverse,
+                                 needs_grad, spec.request)
+        return q, k
+    q_out, k_out = torch.ops.rope_ops.rope(q, k, pos, pos_offset, cos, sin, freq_turns,
+                                           attention_factor, spec.layout, spec.rotary_dim,
+                                           spec.interleaved, inverse, needs_grad, spec.request)
+    return q_out, (None if k is None else k_out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops' kernels: what a compiled graph runs.
+
+_HEADS = {"bshd": 2, "sbhd": 2, "bhsd": 1, "thd": 1}
+
+
+def call_of(q, k, pos, cos, freq_turns, layout, rotary_dim, interleaved, inplace, needs_grad) -> RopeCall:
+    """The selection metadata of a call (what backends' supports() read)."""
+    heads = _HEADS[layout]
+    return RopeCall(q.device.type, q.dtype, layout, "gptj" if interleaved else "neox", q.shape[-1],
+                    rotary_dim, q.shape[heads], 0 if k is None else k.shape[heads], inplace,
+                    None if pos is None else pos.dtype, freq_turns is None, needs_grad,
+                    q.stride(-1) == 1 and (k is None or k.stride(-1) == 1))
+
+
+def _run_op(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout, rotary_dim,
+            interleaved, inverse, needs_grad, request, inplace):
+    call = call_of(q, k, pos, cos, freq_turns, layout, rotary_dim, interleaved, inplace, needs_grad)
+    backend = _select.select(call, request)
+    args = KernelArgs(q, k, None, None, pos, pos_offset, cos, sin, freq_turns, attention_factor,
+                      layout, rotary_dim, interleaved, inverse, inplace)
+    return run_backend(backend, args, call, separate_outputs=True)
 
 
 @torch.library.impl(_LIB, "rope", "CompositeExplicitAutograd")
-def _rope_kernel(q, k, pos, pos_offset, cos, sin, rope_key, layout, rotary_dim, interleaved, inverse,
-                 backend):
-    # A custom op's returns may not share storage with each other (torch.compile checks; an error
-    # in future torch), and a backend may pair small outputs in one allocation: allocate here.
-    q_out, k_out = run_backend(backend, q, k, pos, pos_offset, *_tables(q, cos, sin, rope_key), layout,
-                               rotary_dim, interleaved, inverse, False, separate_outputs=True)
+def _rope_kernel(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout, rotary_dim,
+                 interleaved, inverse, needs_grad, backend):
+    q_out, k_out = _run_op(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout,
+                           rotary_dim, interleaved, inverse, needs_grad, backend, False)
     return q_out, (q.new_empty(0) if k_out is None else k_out)
 
 
 @torch.library.register_fake("rope_ops::rope")
-def _rope_fake(q, k, pos, pos_offset, cos, sin, rope_key, layout, rotary_dim, interleaved, inverse,
-               backend):
+def _rope_fake(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout, rotary_dim,
+               interleaved, inverse, needs_grad, backend):
     return torch.empty_like(q), (q.new_empty(0) if k is None else torch.empty_like(k))
 
 
 @torch.library.impl(_LIB, "rope_", "CompositeExplicitAutograd")
-def _rope_inplace_kernel(q, k, pos, pos_offset, cos, sin, rope_key, layout, rotary_dim, interleaved,
-                         backend):
+def _rope_inplace_kernel(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout,
+                         rotary_dim, interleaved, inverse, needs_grad, backend):
+    from ._memory import check_inplace_memory
+
     check_inplace_memory(q, k)  # traced calls could not check before (no data pointers)
-    run_backend(backend, q, k, pos, pos_offset, *_tables(q, cos, sin, rope_key), layout, rotary_dim,
-                interleaved, False, True)
+    _run_op(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout, rotary_dim,
+            interleaved, inverse, needs_grad, backend, True)
 
 
 @torch.library.register_fake("rope_ops::rope_")
-def _rope_inplace_fake(q, k, pos, pos_offset, cos, sin, rope_key, layout, rotary_dim, interleaved,
-                       backend):
+def _rope_inplace_fake(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout,
+                       rotary_dim, interleaved, inverse, needs_grad, backend):
     return None
 
 
-def rope_call(backend, q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, rope_key,
-              layout, rotary_dim, interleaved, inverse, inplace):
-    """The op, direct in eager mode and through torch.ops when traced. Returns (q_out, k_out).
-
-    Eager callers pass the tables; traced callers pass caller tables or only ``rope_key``.
-    """
-    if not torch.compiler.is_compiling():
-        if cos is None:
-            cos, sin, freq_turns, attention_factor = _tables(q, None, None, rope_key)
-        return run_backend(backend, q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor,
-                           layout, rotary_dim, interleaved, inverse, inplace)
-    if freq_turns is not None:  # builtin tables: let the op fetch them by key
-        cos = sin = None
-    if inplace:
-        torch.ops.rope_ops.rope_(q, k, pos, pos_offset, cos, sin, rope_key, layout, rotary_dim,
-                                 interleaved, backend)
-        return q, k
-    q_out, k_out = torch.ops.rope_ops.rope(q, k, pos, pos_offset, cos, sin, rope_key, layout,
-                                           rotary_dim, interleaved, inverse, backend)
-    return q_out, (None if k is None else k_out)
+# ---------------------------------------------------------------------------------------------
+# Autograd.
 
 
 def _last_dim_contiguous(grad):
@@ -139,46 +211,88 @@ def _last_dim_contiguous(grad):
 
 
 class RopeFunction(torch.autograd.Function):
-    """Forward RotaryEmbedding; backward RotaryEmbeddingGrad (rotation by minus the angle)."""
+    """Forward RotaryEmbedding (or, with ``inverse``, RotaryEmbeddingGrad); backward the rotation
+    the other way, differentiable again when ``create_graph=True``. Returns q_out alone when k
+    is None: autograd allows a Function that writes a view in place one output only."""
 
     @staticmethod
-    def forward(ctx, q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, rope_key, layout,
-                rotary_dim, interleaved, inplace, backend):
-        q_out, k_out = rope_call(backend, q, k, pos, pos_offset, cos, sin, freq_turns,
-                                 attention_factor, rope_key, layout, rotary_dim, interleaved, False,
-                                 inplace)
+    def forward(ctx, q, k, pos, cos, sin, freq_turns, pos_offset, attention_factor, spec, inverse):
+        q_out, k_out = rotate(spec, q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor,
+                              inverse, needs_grad=True)
         ctx.save_for_backward(pos, cos, sin, freq_turns)
-        ctx.params = (pos_offset, attention_factor, rope_key, layout, rotary_dim, interleaved, backend)
-        if inplace:
+        ctx.pos_offset, ctx.attention_factor, ctx.spec, ctx.inverse = pos_offset, attention_factor, spec, inverse
+        if spec.inplace:
             ctx.mark_dirty(*(t for t in (q, k) if t is not None))
-        return q_out, k_out
+        return q_out if k is None else (q_out, k_out)
 
     @staticmethod
-    def backward(ctx, grad_q, grad_k):
+    def backward(ctx, grad_q, grad_k=None):
         pos, cos, sin, freq_turns = ctx.saved_tensors
-        pos_offset, attention_factor, rope_key, layout, rotary_dim, interleaved, backend = ctx.params
-        # Autograd materializes unused output gradients as zeros, so grad_q is never None.
-        gq, gk = rope_call(backend, _last_dim_contiguous(grad_q), _last_dim_contiguous(grad_k), pos,
-                           pos_offset, cos, sin, freq_turns, attention_factor, rope_key, layout,
-                           rotary_dim, interleaved, True, False)
-        return gq, gk, None, None, None, None, None, None, None, None, None, None, None, None
+        spec = ctx.spec._replace(inplace=False)
+        grad_q, grad_k = _last_dim_contiguous(grad_q), _last_dim_contiguous(grad_k)
+        if torch.is_grad_enabled():  # create_graph=True: record this rotation too
+            out = RopeFunction.apply(grad_q, grad_k, pos, cos, sin, freq_turns, ctx.pos_offset,
+                                     ctx.attention_factor, spec, not ctx.inverse)
+            gq, gk = (out, None) if grad_k is None else out
+        else:
+            gq, gk = rotate(spec, grad_q, grad_k, pos, ctx.pos_offset, cos, sin, freq_turns,
+                            ctx.attention_factor, not ctx.inverse)
+        return gq, gk, None, None, None, None, None, None, None, None
+
+
+def rotate_with_grad(spec: Spec, q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor,
+                     inverse, split: bool):
+    """The rotation recorded by autograd. ``split``: in place on views, one Function per tensor
+    (each may return only the view it wrote)."""
+    if split and k is not None:
+        q_out = RopeFunction.apply(q, None, pos, cos, sin, freq_turns, pos_offset, attention_factor,
+                                   spec, inverse)
+        k_out = RopeFunction.apply(k, None, pos, cos, sin, freq_turns, pos_offset, attention_factor,
+                                   spec, inverse)
+        return q_out, k_out
+    out = RopeFunction.apply(q, k, pos, cos, sin, freq_turns, pos_offset, attention_factor, spec,
+                             inverse)
+    return (out, None) if k is None else out
 
 
 class BoundRopeFunction(torch.autograd.Function):
     """RopeFunction for rope_ops.apply's cached autograd plans (eager, out of place): the forward
-    and backward launchers come bound to the call kind's tables and constants (``bind``), so a
-    training step passes 5 arguments through autograd instead of 14."""
+    and backward launchers come bound to the call kind's tables and constants, so a training
+    step passes 5 arguments through autograd instead of 10."""
 
     @staticmethod
     def forward(ctx, q, k, pos, pos_offset, bound):
         q_out, k_out = bound[0](q, k, pos, pos_offset)
         ctx.save_for_backward(pos)  # version-checked: positions changed in place raise in backward
-        ctx.pos_offset, ctx.rotate_back = pos_offset, bound[1]
+        ctx.pos_offset, ctx.bound = pos_offset, bound
         return q_out, k_out
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         (pos,) = ctx.saved_tensors
-        gq, gk = ctx.rotate_back(_last_dim_contiguous(grad_q), _last_dim_contiguous(grad_k), pos,
-                                 ctx.pos_offset)
+        grad_q, grad_k = _last_dim_contiguous(grad_q), _last_dim_contiguous(grad_k)
+        if torch.is_grad_enabled():  # create_graph=True: record this rotation too
+            back = (ctx.bound[1], ctx.bound[0])
+            gq, gk = BoundRopeFunction.apply(grad_q, grad_k, pos, ctx.pos_offset, back)
+        else:
+            gq, gk = ctx.bound[1](grad_q, grad_k, pos, ctx.pos_offset)
         return gq, gk, None, None, None
+
+
+def bind(backend: Backend, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved,
+         inverse, call=None):
+    """``(q, k, pos, pos_offset) -> (q_out, k_out)`` for repeated eager out-of-place calls of one
+    kind (``inverse``: the backward): the backend's own bound launcher when it has one, else
+    run_backend with these constants."""
+    if registry.is_builtin(backend.name) or (call is not None and (backend.name, call) in _verified):
+        bound = backend.bind(cos, sin, freq_turns, attention_factor, layout, rotary_dim,
+                             interleaved, inverse)
+        if bound is not None:
+            return bound
+
+    def rotate_bound(q, k, pos, pos_offset):
+        args = KernelArgs(q, k, None, None, pos, pos_offset, cos, sin, freq_turns,
+                          attention_factor, layout, rotary_dim, interleaved, inverse, False)
+        return run_backend(backend, args, call)
+
+    return rotate_bound

@@ -3,8 +3,9 @@
 Request, in order of precedence: the per-call ``backend=`` argument, then ``use_backend(...)``,
 then the ``ROPE_OPS_BACKEND`` environment variable, then ``auto``.
 
-- ``auto``: the available backend of highest priority that accepts the call among those that
-  may be auto-selected on the call's device; the pure-torch backend is the last resort.
+- ``auto``: among the backends that join automatic selection on the call's device (rope_ops' own,
+  and third-party ones that declare ``joins_auto``), the available one of highest priority that
+  accepts the call, built-ins winning ties; the pure-torch backend is the last resort.
 - one name: that backend or a BackendError with its reasons (strict).
 - a comma list: the first listed backend that accepts the call; BackendError with everyone's
   reasons when none does.
@@ -16,10 +17,8 @@ import contextvars
 import os
 from contextlib import contextmanager
 
-import torch
-
 from . import registry
-from ._errors import BackendError
+from ._errors import BackendError, RopeError
 from .backend import Backend, RopeCall
 
 ENV_VAR = "ROPE_OPS_BACKEND"
@@ -28,40 +27,21 @@ FALLBACK = "torch"
 _context_request: contextvars.ContextVar[str | None] = contextvars.ContextVar("rope_ops_backend", default=None)
 # (request string, call tuple) -> Backend. A call tuple equals its RopeCall (a NamedTuple).
 _cache: dict[tuple, Backend] = {}
-
-
-# Fast-path plans of rope_ops.apply, keyed by the metadata they were derived from (see _api):
-# (plan, guard), guard being the plan's metadata-checking form where the backend has one.
-plans: dict[tuple, tuple] = {}
-_MAX_PLANS = 4096
-# The guard of the last fast-path call made with each set of apply's options (keyword arguments
-# and backend request) whose plan has one: a repeat skips the key (see _api.apply). Keyed by the
-# options, so layers that alternate frequencies (local and global RoPE) each keep theirs.
-guards: dict[tuple, object] = {}
-_MAX_GUARDS = 64
-
-
-def remember_plan(key: tuple, entry: tuple) -> None:
-    if len(plans) >= _MAX_PLANS:  # bounded: keys hold shapes and RotaryEmbedding objects
-        plans.clear()
-    plans[key] = entry
-
-
-def remember_guard(options: tuple, guard) -> None:
-    if len(guards) >= _MAX_GUARDS and options not in guards:
-        guards.clear()
-    guards[options] = guard
+_MAX_DECISIONS = 4096
 
 
 def clear_cache() -> None:
     _cache.clear()
-    plans.clear()
-    guards.clear()
+    from . import _plans
+
+    _plans.clear()
 
 
 @contextmanager
 def use_backend(name: str | None):
     """Within the block, calls without ``backend=`` use ``name`` (same syntax as the variable)."""
+    if name is not None and not isinstance(name, str):
+        raise RopeError(f"use_backend: expected a backend name or comma list (str), got {name!r}")
     token = _context_request.set(name)
     try:
         yield
@@ -69,26 +49,13 @@ def use_backend(name: str | None):
         _context_request.reset(token)
 
 
-def _env_getter():
-    # os.environ.get costs ~1 us (key encoding, Mapping machinery); its backing dict is read
-    # directly where CPython has one (it is kept in sync by os.environ's own setters).
-    data = getattr(os.environ, "_data", None)
-    encoded = os.fsencode(ENV_VAR) if data is not None and any(isinstance(k, bytes) for k in list(data)[:1]) else ENV_VAR
-    if data is None:
-        return lambda: os.environ.get(ENV_VAR)
-
-    def get():
-        value = data.get(encoded)
-        return value.decode() if isinstance(value, bytes) else value
-
-    return get
-
-
-_env_request = _env_getter()
-
-
 def current_request(backend: str | None = None) -> str:
-    return backend or _context_request.get() or _env_request() or "auto"
+    """The request in force for a call: ``backend=``, use_backend, the variable, or auto."""
+    if backend is not None:
+        if not isinstance(backend, str):
+            raise RopeError(f"backend: expected a backend name or comma list (str), got {backend!r}")
+        return backend
+    return _context_request.get() or os.environ.get(ENV_VAR) or "auto"
 
 
 def select(call: tuple, backend: str | None = None) -> Backend:
@@ -96,33 +63,27 @@ def select(call: tuple, backend: str | None = None) -> Backend:
     key = (request, call)
     found = _cache.get(key)
     if found is None:
-        found = _decide(request, RopeCall._make(call))
+        found = decide(request, RopeCall._make(call))
+        if len(_cache) >= _MAX_DECISIONS:
+            _cache.clear()
         _cache[key] = found
     return found
 
 
-@torch._dynamo.assume_constant_result
-def select_name_constant(call: tuple, backend: str | None = None) -> str:
-    """select(...).name, evaluated once outside tracing under torch.compile (metadata only)."""
-    return select(call, backend).name
-
-
-def reasons(backend: Backend, call: RopeCall) -> list[str]:
-    return list(backend.availability()) + list(backend.supports(call))
-
-
-def _decide(request: str, call: RopeCall) -> Backend:
-    request = request.strip()
-    if request == "auto":
-        return _auto(call)
+def parse_request(request: str) -> list[str]:
+    """The names of a request ('auto', a name or a comma list); BackendError if malformed."""
     wanted = [n.strip() for n in request.split(",") if n.strip()]
     if not wanted:
         raise BackendError(f"{ENV_VAR}={request!r}: expected 'auto', a backend name or a comma list")
     unknown = [n for n in wanted if n != "auto" and n not in registry.names()]
     if unknown:
         raise BackendError(f"unknown backend(s) {unknown} in {request!r}; registered: {registry.names()}")
-    refusals = {}
-    for name in wanted:
+    return wanted
+
+
+def decide(request: str, call: RopeCall) -> Backend:
+    refusals: dict[str, list[str]] = {}
+    for name in parse_request(request):
         if name == "auto":
             try:
                 return _auto(call)
@@ -134,23 +95,43 @@ def _decide(request: str, call: RopeCall) -> Backend:
         except BackendError as error:
             refusals[name] = [str(error)]
             continue
-        why = reasons(candidate, call)
+        why = registry.reasons(candidate, call)
         if not why:
             return candidate
         refusals[name] = why
     raise BackendError(_no_backend_message(request, call, refusals))
 
 
+def joins_auto(backend: Backend) -> bool:
+    return registry.is_builtin(backend.name) or bool(getattr(backend, "joins_auto", False))
+
+
+def auto_ranking(loaded: dict[str, Backend]) -> list[Backend]:
+    """Backends in the order automatic selection tries them (the fallback last)."""
+    def rank(b: Backend):
+        return (b.name == FALLBACK, -int(getattr(b, "priority", 0)), not registry.is_builtin(b.name), b.name)
+
+    return sorted(loaded.values(), key=rank)
+
+
 def _auto(call: RopeCall) -> Backend:
     loaded, failures = registry.load_all()
     refusals = {name: [f"failed to load: {why}"] for name, why in failures.items()}
-    ranked = sorted(loaded.values(), key=lambda b: (b.name == FALLBACK, -b.priority, b.name))
-    for candidate in ranked:
-        auto_devices = candidate.auto_devices()
-        if call.device_type not in auto_devices and "*" not in auto_devices and candidate.name != FALLBACK:
-            refusals[candidate.name] = [f"not auto-selected on {call.device_type!r} (name it to use it)"]
-            continue
-        why = reasons(candidate, call)
+    for candidate in auto_ranking(loaded):
+        if candidate.name != FALLBACK:
+            if not joins_auto(candidate):
+                refusals[candidate.name] = ["third-party backend that does not join automatic "
+                                            "selection (name it to use it)"]
+                continue
+            try:
+                auto_devices = candidate.auto_devices()
+            except Exception as error:
+                refusals[candidate.name] = [f"auto_devices() raised {registry.describe_error(error)}"]
+                continue
+            if call.device_type not in auto_devices and "*" not in auto_devices:
+                refusals[candidate.name] = [f"not auto-selected on {call.device_type!r} (name it to use it)"]
+                continue
+        why = registry.reasons(candidate, call)
         if not why:
             return candidate
         refusals[candidate.name] = why
@@ -158,11 +139,11 @@ def _auto(call: RopeCall) -> Backend:
 
 
 def _no_backend_message(request: str, call: RopeCall, refusals: dict[str, list[str]]) -> str:
-    lines = [f"no rope_ops backend can run this call (request {request!r}):", f"  call: {_describe(call)}"]
+    lines = [f"no rope_ops backend can run this call (request {request!r}):", f"  call: {describe(call)}"]
     for name, why in refusals.items():
         lines.append(f"  {name}: " + "; ".join(why))
     return "\n".join(lines)
 
 
-def _describe(call: RopeCall) -> str:
+def describe(call: RopeCall) -> str:
     return ", ".join(f"{k}={v}" for k, v in call._asdict().items())

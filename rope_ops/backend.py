@@ -11,6 +11,15 @@ backward passes ``inverse=True`` (rotation by minus the angle) with the output g
 
 ``run`` receives validated arguments only (rope_ops checks everything in SPEC "Bad input" first);
 it must not read data in ``supports``, must not assert, and must never read outside ``cos``/``sin``.
+Positions may lie anywhere in int64, outside the table included: rows outside ``[0, P)`` are
+computed from ``freq_turns`` (``cos_sin_on_the_fly`` below shows how) or, with caller tables
+(``freq_turns`` None), are NaN.
+
+What rope_ops does around ``run`` (so a backend need not): allocating outputs (unless
+``allocates_outputs``), empty calls, autograd (the backward is ``run`` with ``inverse=True``),
+moving the version counter of tensors written in place, torch.compile registration, and checking
+a third-party backend's outputs (shape, dtype, device, every rotary element written) on the
+first call of each kind.
 """
 
 from __future__ import annotations
@@ -50,14 +59,15 @@ class RopeCall(NamedTuple):
     pos_dtype: torch.dtype | None  # None: positions given as a Python int offset
     caller_tables: bool  # cos/sin supplied by the caller (no inv_freq to fall back on)
     needs_grad: bool  # the call records a backward
-    last_dim_contiguous: bool  # q and k (and k) have stride 1 on the head_dim axis
+    last_dim_contiguous: bool  # q and k have stride 1 on the head_dim axis
 
 
 class KernelArgs(NamedTuple):
-    """Everything ``run`` needs, validated.
+    """One call, end to end: everything ``run`` needs, validated.
 
     Tensors are in the caller's layout (see ``LAYOUT_DIMS``); ``bshd_view`` turns any of them into
-    a strided ``[B, S, H, D]`` view without copying.
+    a strided ``[B, S, H, D]`` view without copying. Out of place, ``q_out``/``k_out`` have q's/k's
+    shapes (any strides) and never overlap the inputs; in place they are q and k themselves.
     """
 
     q: torch.Tensor  # input, any strides
@@ -84,8 +94,12 @@ class Backend:
     """Base class with declarative capabilities; subclasses override what differs."""
 
     name: ClassVar[str] = ""
-    # Higher wins in automatic selection; the torch fallback has 0.
+    # Higher wins in automatic selection (built-in backends win ties); the torch fallback has 0.
     priority: ClassVar[int] = 0
+    # Whether automatic selection may pick this backend. rope_ops' own backends do; a
+    # third-party backend joins automatic selection only when it sets this True (otherwise it
+    # runs when named: ROPE_OPS_BACKEND, backend=, use_backend). ``info`` says which do.
+    joins_auto: ClassVar[bool] = False
     device_types: ClassVar[frozenset[str]] = frozenset()  # "*": any device
     # Devices on which automatic selection may pick this backend (a subset of device_types);
     # others need the backend named explicitly.

@@ -51,8 +51,8 @@ def collect() -> dict:
     for device_type in visible_devices():
         call = probe_call(device_type)
         try:
-            chosen = _select._decide("auto", call).name
-            selection[device_type] = {"auto": chosen, "call": _select._describe(call)}
+            chosen = _select.decide("auto", call).name
+            selection[device_type] = {"auto": chosen, "call": _select.describe(call)}
         except Exception as error:  # report, don't crash: info is a diagnostic tool
             selection[device_type] = {"auto": None, "error": str(error)}
     return {

@@ -331,8 +331,9 @@ class RopeConformance:
         q = torch.randn(2, 8, 4, 64, device=device, dtype=dtype)
         k = torch.randn(2, 8, 2, 64, device=device, dtype=dtype)
         pos = torch.randint(0, 32, (2, 8), device=device)
-        q_out, k_out = torch.ops.rope_ops.rope(q, k, pos, 0, None, None, rope.key, "bshd", 64,
-                                               False, False, backend_name)
+        cos, sin, turns, factor = rope.tables(q.device)
+        q_out, k_out = torch.ops.rope_ops.rope(q, k, pos, 0, cos, sin, turns, factor, "bshd", 64,
+                                               False, False, False, backend_name)
         storages = [t.untyped_storage().data_ptr() for t in (q, k, q_out, k_out)]
         assert len(set(storages)) == 4, storages
         expected_q, expected_k = rope_ops.apply(q, k, pos, rope=rope, backend=backend_name)
