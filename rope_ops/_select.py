@@ -99,7 +99,7 @@ def decide(request: str, call: RopeCall) -> Backend:
         if not why:
             return candidate
         refusals[name] = why
-    raise BackendError(_no_backend_message(request, call, refusals))
+    raise BackendError(_no_backend_message(request, call, refusals), refusals)
 
 
 def joins_auto(backend: Backend) -> bool:
@@ -135,7 +135,7 @@ def _auto(call: RopeCall) -> Backend:
         if not why:
             return candidate
         refusals[candidate.name] = why
-    raise BackendError(_no_backend_message("auto", call, refusals))
+    raise BackendError(_no_backend_message("auto", call, refusals), refusals)
 
 
 def _no_backend_message(request: str, call: RopeCall, refusals: dict[str, list[str]]) -> str:

@@ -70,7 +70,7 @@ def test_cos_sin_match_hf_module(name):
     # HF's module re-picks dynamic/longrope frequencies from max(position_ids) + 1 on each
     # forward (a host sync); with rope_ops the caller says the length explicitly.
     ours = rope_ops.RotaryEmbedding.from_hf_config(config, seq_len=int(positions.max()) + 1)
-    cos, sin, _ = ours.tables(torch.device("cpu"))
+    cos, sin, _, _ = ours.tables(torch.device("cpu"))
     # HF returns full-width [.., D] tables (cat(c, c)); ours are [P, r/2].
     ours_cos = cos[positions[0]].repeat(1, 2)
     ours_sin = sin[positions[0]].repeat(1, 2)
@@ -104,7 +104,10 @@ def test_dynamic_and_longrope_switch_with_seq_len():
     assert torch.equal(dyn.inv_freq, rope_ops.RotaryEmbedding(HEAD_DIM, max_position=4096).inv_freq)
     stretched = dyn.with_seq_len(16384)
     assert (stretched.inv_freq[1:] < dyn.inv_freq[1:]).all()
-    assert stretched is dyn.with_seq_len(16384)  # cached
+    assert stretched.freqs is dyn.with_seq_len(16384).freqs  # computed once
+    # frequencies made for one stretched length get no table: a new length every decode step
+    # must not build (and keep) a table per step; every row is computed on the fly instead
+    assert stretched.table_rows == 0 and stretched.cos_table.numel() == 0
     lr = rope_ops.RotaryEmbedding(HEAD_DIM, scaling=SCALINGS["longrope"], max_position=4096)
     assert not torch.equal(lr.inv_freq, lr.with_seq_len(2000).inv_freq)
     assert torch.equal(lr.inv_freq, lr.with_seq_len(1000).inv_freq)
@@ -132,16 +135,43 @@ def test_bad_base(base):
         compute_inv_freq(HEAD_DIM, base)
 
 
-def test_freq_turns_reproduce_float64_angles():
-    """p * turns (wrapping) is the angle p * inv_freq as a fraction of a turn, for any p."""
+def test_freq_turns_reproduce_exact_angles():
+    """p * turns (wrapping) is p's angle as a 64-bit fraction of a turn, within |p| * 2^-65 turn
+    of exact for every int64 position (the constant is exact to half a unit of 2^-64)."""
+    from fractions import Fraction
+
+    from rope_ops.frequencies import reduced_angle
+
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
     turns = freq_turns_of(inv_freq)
-    for p in (0, 1, 12345, (1 << 20) - 1, -77777, 1 << 30):
+    for p in (0, 1, 12345, (1 << 20) - 1, -77777, 1 << 30, 1 << 36, -(1 << 40), (1 << 62) - 1):
         for i in (0, 5, 63):
             fixed = (p * int(turns[i])) % 2**64
-            got = fixed / 2**64
-            exact = (p * float(inv_freq[i]) / (2 * math.pi)) % 1.0
-            assert min(abs(got - exact), 1 - abs(got - exact)) < 1e-9 * max(1, abs(p)) / 2**20 + 1e-12
+            got = Fraction(fixed, 2**64)
+            exact = Fraction(reduced_angle(p, float(inv_freq[i]))) / Fraction(2 * math.pi)  # in turns
+            err = abs(got - exact) % 1
+            err = min(err, 1 - err)
+            assert err <= Fraction(abs(p) + 2, 2**65) + Fraction(1, 2**50), (p, i, float(err))
+
+
+def test_reduced_angle_is_exact_where_float64_is_not():
+    """The reference's angle reduction is exact: at 2^40 a float64 product p * inv_freq would be
+    off by ~2^-13 rad."""
+    from rope_ops.frequencies import reduced_angle
+
+    f = 0.8659643233600653  # a typical inv_freq
+    p = 1 << 40
+    exact = reduced_angle(p, f)
+    # the same reduction done by hand with Fractions and a 200-digit pi
+    from fractions import Fraction
+    pi = Fraction("3.14159265358979323846264338327950288419716939937510582097494459230781640628620899"
+                  "8628034825342117067982148086513282306647093844609550582231725359408128481117450284"
+                  "1027019385211055596446229489549303819644288109756659334461284756482337867831652712"
+                  "019091456485669234603486104543266482133936072602491412737245870066063155881748815209209628")
+    angle = p * Fraction(f)
+    turns = angle / (2 * pi)
+    r = (turns - round(turns)) * 2 * pi
+    assert abs(exact - float(r)) < 1e-15
 
 
 @pytest.mark.parametrize("name", ["dynamic", "longrope"])
