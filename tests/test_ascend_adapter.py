@@ -31,7 +31,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 # ------------------------------------------------------------------------------ fakes
-from rope_ops_backends.ascend_backend.fakes import Refused, install_fake_torch_npu  # noqa: E402
+from ascend.fakes import Refused, install_fake_torch_npu  # noqa: E402
 
 
 @pytest.fixture
@@ -347,7 +347,7 @@ def test_torch_tier_matches_reference(fake_npu, monkeypatch, layout):
 def sim_kernels(fake_npu):
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
-    from rope_ops_backends.ascend_backend.fakes import use_sim_kernels
+    from ascend.fakes import use_sim_kernels
 
     b, calls = fake_npu
     launched = []
@@ -394,7 +394,7 @@ def test_kernel_tier_uses_device_core_count(sim_kernels):
 
 
 # ------------------------------------------------------------------------------ autograd through rope_ops
-from rope_ops_backends.ascend_backend.fakes import CpuRoutedAscendBackend as _CpuRoutedAscend  # noqa: E402
+from ascend.fakes import CpuRoutedAscendBackend as _CpuRoutedAscend  # noqa: E402
 
 
 @pytest.mark.parametrize("tier", ["npu_rotary_mul", "torch"])

@@ -3,7 +3,7 @@
 The backend is routed to CPU tensors (fakes.CpuRoutedAscendBackend) with a fake torch_npu, and each
 class restricts the tiers (ROPE_OPS_ASCEND_TIERS):
 * TestAscendKernelTierOnCpu: the kernel tier runs the shipped Ascend C kernels compiled for the CPU
-  (ascend_kernels/cpu_sim); calls the kernels cannot take (float64) fall to the torch tier.
+  (tests/ascend/cpu_sim); calls the kernels cannot take (float64) fall to the torch tier.
 * TestAscendRotaryMulTierOnCpu: the npu_rotary_mul tier with the documented-semantics fake.
 Everything goes through rope_ops.apply: validation, selection, autograd, in place, torch.compile.
 On an Ascend machine run the same suite for real:
@@ -18,16 +18,9 @@ import pytest
 
 from rope_ops import registry
 from rope_ops.testing import RopeConformance
-from rope_ops_backends.ascend_backend import fakes
 from rope_ops_backends.torch_backend import TorchBackend
 
-_SIM = {}
-
-
-def _sim():
-    if "sim" not in _SIM:
-        _SIM["sim"] = fakes.load_sim()
-    return _SIM["sim"]
+from ascend import fakes
 
 
 class _AscendOnCpu(RopeConformance):
@@ -45,7 +38,7 @@ class _AscendOnCpu(RopeConformance):
         if self.with_kernels:
             if shutil.which("g++") is None and shutil.which("c++") is None:
                 pytest.skip("no C++ compiler")
-            fakes.use_sim_kernels(backend, _sim())
+            fakes.use_sim_kernels(backend)
         with registry.override({"ascend": backend, "torch": TorchBackend()}):
             yield backend
 

@@ -1,7 +1,7 @@
 """The shipped Ascend C kernels, run on the CPU against rope_ops._reference (no NPU needed).
 
 ascend_kernels/kernels/*.cpp and rope_kernel.h are compiled unchanged with g++ against
-ascend_kernels/cpu_sim/kernel_operator.h, a small emulation of the Ascend C APIs they use (GM/UB
+tests/ascend/cpu_sim/kernel_operator.h, a small emulation of the Ascend C APIs they use (GM/UB
 bounds and alignment checks, DataCopy/DataCopyPad semantics with 32-byte padding, queue state,
 Cast rounding; see that header for what it models and what it does not). Every core's block runs
 in turn with the tiling that backends/ascend_backend/tiling.py predicts for the host glue.
@@ -9,7 +9,6 @@ in turn with the tiling that backends/ascend_backend/tiling.py predicts for the 
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -25,6 +24,8 @@ from rope_ops.frequencies import compute_inv_freq, cos_sin_table, freq_turns_of
 from rope_ops_backends.ascend_backend import _kernel_call as kc
 from rope_ops_backends.ascend_backend import tiling as tl
 
+from ascend import fakes
+
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 STYLES = ["neox", "gptj"]
@@ -34,12 +35,7 @@ STYLES = ["neox", "gptj"]
 def sim():
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
-    spec = importlib.util.spec_from_file_location("rope_sim", ROOT / "ascend_kernels" / "cpu_sim" / "rope_sim.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    s = mod.Sim(mod.build_cached())
-    s.error_type = mod.SimError
-    return s
+    return fakes.load_sim()
 
 
 def _inv_freq(r, base=10000.0):

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 from pathlib import Path
@@ -20,23 +19,17 @@ from hypothesis import strategies as st
 
 from rope_ops_backends.ascend_backend import tiling as tl
 
+from ascend import fakes
+
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "ascend_kernels"
-
-
-def _load_sim_module():
-    spec = importlib.util.spec_from_file_location("rope_sim", KERNELS / "cpu_sim" / "rope_sim.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def sim():
     if shutil.which("g++") is None and shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
-    mod = _load_sim_module()
-    return mod.Sim(mod.build_cached())
+    return fakes.load_sim()
 
 
 def test_field_order_matches_header():

@@ -5,7 +5,7 @@
 positions as a strided [B, S] view in their own integer dtype (no copy, no host sync).
 ``tiling_params`` reads those views exactly as the C++ host glue does (rope_host.cpp,
 ``fill_tiling_inputs``), so that ``tiling.compute_tiling`` predicts the host's tiling; the CPU
-simulation (ascend_kernels/cpu_sim) launches the kernels with the same values.
+simulation (tests/ascend/cpu_sim, test-only) launches the kernels with the same values.
 """
 
 from __future__ import annotations

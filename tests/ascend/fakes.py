@@ -1,4 +1,4 @@
-"""Test doubles for running AscendBackend without an NPU (used by tests/test_ascend_*.py).
+"""Test doubles for running AscendBackend without an NPU (used by tests/test_ascend_*.py; never shipped).
 
 * ``install_fake_torch_npu(monkeypatch)``: a ``torch_npu`` module whose ``npu_rotary_mul`` follows
   the documented semantics (out = x*r1 + rotate(x)*r2, r1/r2 cast to x's dtype) and refuses, like
@@ -8,20 +8,23 @@
   validation and autograd route CPU tensors to it.
 * ``sim_kernel_ops()``: replacements for ``torch.ops.rope_ops_ascend.rotary_embedding[_grad]`` that
   do what rope_host.cpp does (tiling from the tensors, then launch) with the shipped kernels
-  compiled for the CPU (ascend_kernels/cpu_sim, needs g++).
+  compiled for the CPU (tests/ascend/cpu_sim, needs g++).
 
 Nothing here is used by the backend itself.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import types
 
 import torch
 
-from . import AscendBackend
+from rope_ops_backends.ascend_backend import AscendBackend
+from rope_ops_backends.ascend_backend import _kernel_call as kc
+from rope_ops_backends.ascend_backend import tiling as tl
+
+from .cpu_sim import rope_sim
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -98,24 +101,18 @@ class CpuRoutedAscendBackend(AscendBackend):
     device_types = frozenset({"cpu"})
 
 
-def load_sim():
-    """The CPU simulation of the shipped kernels (ascend_kernels/cpu_sim), built if needed."""
-    from .._paths import source_dir
+_SIM: list = []  # the one simulation library of this process, built on first use
 
-    path = source_dir("ascend_kernels") / "cpu_sim" / "rope_sim.py"
-    spec = importlib.util.spec_from_file_location("rope_ops_ascend_rope_sim", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    sim = mod.Sim(mod.build_cached())
-    sim.error_type = mod.SimError
-    return sim
+
+def load_sim() -> rope_sim.Sim:
+    """The CPU simulation of the shipped kernels (cpu_sim), built if needed."""
+    if not _SIM:
+        _SIM.append(rope_sim.Sim(rope_sim.build_cached()))
+    return _SIM[0]
 
 
 def sim_kernel_ops(sim=None, launched: list | None = None):
     """(forward op, grad op) with the signature of torch.ops.rope_ops_ascend.rotary_embedding[_grad]."""
-    from . import _kernel_call as kc
-    from . import tiling as tl
-
     sim = load_sim() if sim is None else sim
     launched = [] if launched is None else launched
 

@@ -3,7 +3,7 @@
 The kernel source (ascend_kernels/kernels/*.cpp, rope_kernel.h) is compiled unchanged against the
 emulated ``kernel_operator.h`` of this directory. ``launch`` takes the same views and tiling the
 host glue (rope_host.cpp) would pass on an NPU and runs every AI core's block one after another.
-Used by tests/test_ascend_kernel_sim.py; needs g++ and torch (CPU).
+Test-only (never shipped); needs g++ and torch (CPU).
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 
+from rope_ops_backends._paths import source_dir
+
 HERE = Path(__file__).resolve().parent
-KERNELS = HERE.parent
+KERNELS = source_dir("ascend_kernels")  # the shipped kernel sources, checkout or installed
 SOURCES = [HERE / "sim_main.cpp", HERE / "kernel_operator.h", KERNELS / "rope_kernel.h",
            KERNELS / "rope_tiling.h", KERNELS / "rope_math.h", KERNELS / "rope_entry.h",
            *sorted((KERNELS / "kernels").glob("*.cpp"))]
@@ -61,6 +63,8 @@ def build_cached() -> Path:
 
 
 class Sim:
+    error_type = SimError
+
     def __init__(self, lib_path: str | os.PathLike):
         self.lib = ctypes.CDLL(str(lib_path))
         self.lib.rope_sim_tiling.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]

@@ -1,14 +1,14 @@
-// rope_ops: the shipped Ascend C kernels (kernels/*.cpp) compiled for the CPU against the emulated
-// kernel_operator.h, with a C interface for the tests (ctypes). Build:
-//   g++ -std=c++17 -O1 -ffp-contract=off -fPIC -shared -I ascend_kernels/cpu_sim -I ascend_kernels
-//       ascend_kernels/cpu_sim/sim_main.cpp -o librope_sim.so
+// rope_ops: the shipped Ascend C kernels (ascend_kernels/kernels/*.cpp) compiled for the CPU against
+// the emulated kernel_operator.h, with a C interface for the tests (ctypes). Build (rope_sim.py):
+//   g++ -std=c++17 -O1 -ffp-contract=off -fPIC -shared -I tests/ascend/cpu_sim -I ascend_kernels
+//       tests/ascend/cpu_sim/sim_main.cpp -o librope_sim.so
 #include "kernel_operator.h"
-#include "../kernels/rotary_embedding_fp32.cpp"
-#include "../kernels/rotary_embedding_fp16.cpp"
-#include "../kernels/rotary_embedding_bf16.cpp"
-#include "../kernels/rotary_embedding_grad_fp32.cpp"
-#include "../kernels/rotary_embedding_grad_fp16.cpp"
-#include "../kernels/rotary_embedding_grad_bf16.cpp"
+#include "kernels/rotary_embedding_fp32.cpp"
+#include "kernels/rotary_embedding_fp16.cpp"
+#include "kernels/rotary_embedding_bf16.cpp"
+#include "kernels/rotary_embedding_grad_fp32.cpp"
+#include "kernels/rotary_embedding_grad_fp16.cpp"
+#include "kernels/rotary_embedding_grad_bf16.cpp"
 
 #undef ROPE_KERNEL_SIDE
 #include "rope_tiling.h"  // again, now with the host tiling
