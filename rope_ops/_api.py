@@ -14,7 +14,7 @@ import torch
 from . import _plans, _select
 from ._errors import RopeError
 from ._memory import check_inplace_autograd, check_inplace_memory
-from ._ops import BoundRopeFunction, Spec, bind, rotate, rotate_with_grad
+from ._ops import BoundRopeFunction, Spec, bind, needs_check, rotate, rotate_with_grad
 from ._tables import CACHE, table_key
 from .backend import LAYOUTS, RopeCall
 from .embedding import (RotaryEmbedding, check_base, check_max_position, check_rotary_dim,
@@ -87,9 +87,11 @@ def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | Non
         if key is not None:
             entry = plans.get(key)
             if entry is None:
-                plan = _apply(q, k, pos, _kwargs(rotary_dim, style, layout, base, None, rope, None,
-                                                 False, backend, max_position, seq_len, None),
-                              mode="plan")
+                kwargs = _kwargs(rotary_dim, style, layout, base, None, rope, None, False, backend,
+                                 max_position, seq_len, None)
+                plan = _apply(q, k, pos, kwargs, mode="plan")
+                if plan is None:  # a kind not yet checked on a third-party backend: full path
+                    return _apply(q, k, pos, kwargs)
                 guarded = getattr(plan, "guarded", None)
                 guard = guarded(q, k, pos) if guarded is not None and not key[-1] else None
                 entry = (plan, guard)
@@ -246,6 +248,8 @@ def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
     if mode == "select":
         return selected.name if selected is not None else request
     if mode == "plan":
+        if needs_check(selected, call):
+            return None
         return _make_plan(selected, call, cos, sin, freq_turns, attention_factor, layout,
                           rotary_dim, interleaved, needs_grad)
     spec = Spec(layout, rotary_dim, interleaved, inplace, request, selected)

@@ -279,16 +279,20 @@ class BoundRopeFunction(torch.autograd.Function):
         return gq, gk, None, None, None
 
 
+def needs_check(backend: Backend, call) -> bool:
+    """Whether this kind of call on this backend has yet to pass the first-call output check."""
+    return not registry.is_builtin(backend.name) and (backend.name, call) not in _verified
+
+
 def bind(backend: Backend, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved,
          inverse, call=None):
     """``(q, k, pos, pos_offset) -> (q_out, k_out)`` for repeated eager out-of-place calls of one
     kind (``inverse``: the backward): the backend's own bound launcher when it has one, else
     run_backend with these constants."""
-    if registry.is_builtin(backend.name) or (call is not None and (backend.name, call) in _verified):
-        bound = backend.bind(cos, sin, freq_turns, attention_factor, layout, rotary_dim,
-                             interleaved, inverse)
-        if bound is not None:
-            return bound
+    bound = backend.bind(cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved,
+                         inverse)
+    if bound is not None:
+        return bound
 
     def rotate_bound(q, k, pos, pos_offset):
         args = KernelArgs(q, k, None, None, pos, pos_offset, cos, sin, freq_turns,

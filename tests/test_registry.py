@@ -37,9 +37,9 @@ def make_plugin_dist(root, entries: dict[str, str], modules: dict[str, str]) -> 
         (root / f"{module}.py").write_text(source)
 
 
-def run_python(code: str, root, cache_dir) -> dict:
+def run_python(code: str, root, cache_dir, env_extra=None) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "XDG_CACHE_HOME": str(cache_dir)}
+           "XDG_CACHE_HOME": str(cache_dir), **(env_extra or {})}
     env.pop("ROPE_OPS_BACKEND", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -75,8 +75,72 @@ def test_broken_plugins_are_recorded_and_harmless(tmp_path):
     assert "no device SDK" in failures["raises"]
     assert "differs" in failures["misnamed"]
     assert "not a rope_ops.backend.Backend" in failures["notbackend"]
-    # A working plugin of the same priority ranks above the pure-torch last resort.
-    assert result["auto"] == "good"
+    # A third-party plugin joins automatic selection only when it declares it.
+    assert result["auto"] == "torch"
+
+
+HANGS = textwrap.dedent("""
+    import time
+    time.sleep(3600)
+    """)
+
+JOINS = textwrap.dedent("""
+    from rope_ops_backends.torch_backend import TorchBackend
+
+    class Joins(TorchBackend):
+        name = "joins"
+        priority = 5
+        joins_auto = True
+
+    class FakeTorch(TorchBackend):
+        name = "torch"
+    """)
+
+
+def test_plugin_that_hangs_times_out_and_blocks_no_other_name(tmp_path):
+    """A plugin whose import never returns holds up only its own name, and only for
+    ROPE_OPS_PLUGIN_TIMEOUT; named and automatic calls on other backends run."""
+    make_plugin_dist(tmp_path, {"hangs": "hangmod:Backend"}, {"hangmod": HANGS})
+    code = textwrap.dedent("""
+        import json, threading, time, torch, rope_ops
+        from rope_ops import registry
+        q = torch.randn(1, 3, 2, 8)
+        t = threading.Thread(target=lambda: rope_ops.apply(q, None, 0, backend="hangs,torch"), daemon=True)
+        t.start()
+        time.sleep(0.5)
+        start = time.monotonic()
+        rope_ops.apply(q, None, 0, backend="torch")  # not blocked by the hanging load
+        named = time.monotonic() - start
+        t.join(30)
+        auto = rope_ops.select_backend(q, None, 0)
+        print(json.dumps({"named_s": named, "thread_done": not t.is_alive(), "auto": auto,
+                          "failure": registry.load_all()[1].get("hangs", "")}))
+        """)
+    env_extra = {"ROPE_OPS_PLUGIN_TIMEOUT": "3"}
+    result = run_python(code, tmp_path, tmp_path / "cache", env_extra)
+    assert result["named_s"] < 2.0
+    assert result["thread_done"] and result["auto"] in ("torch", "cpu")
+    assert "did not finish within 3 s" in result["failure"]
+
+
+def test_third_party_cannot_take_a_builtin_name_and_can_join_auto(tmp_path):
+    make_plugin_dist(tmp_path, {"torch": "joinsmod:FakeTorch", "joins": "joinsmod:Joins"},
+                     {"joinsmod": JOINS})
+    code = textwrap.dedent("""
+        import json, torch, rope_ops
+        from rope_ops import registry
+        q = torch.randn(1, 3, 2, 8)
+        print(json.dumps({"torch_module": type(registry.get("torch")).__module__,
+                          "shadowed": registry.shadowed(),
+                          "auto": rope_ops.select_backend(q, None, 0, backend="joins,torch"),
+                          "auto_plain": rope_ops.select_backend(q, None, 0)}))
+        """)
+    result = run_python(code, tmp_path, tmp_path / "cache")
+    assert result["torch_module"] == "rope_ops_backends.torch_backend"
+    assert "built-in" in result["shadowed"]["torch"] and "fakeplugins" in result["shadowed"]["torch"]
+    assert result["auto"] == "joins"
+    # it declared joins_auto with priority 5 > torch's 0; the C++ cpu backend (priority 10) wins where built
+    assert result["auto_plain"] in ("joins", "cpu")
 
 
 def test_new_plugin_seen_despite_stevedore_disk_cache(tmp_path):
@@ -109,3 +173,51 @@ def test_backends_not_installed_as_top_level_package():
     assert importlib.util.find_spec("rope_ops_backends") is not None
     spec = importlib.util.find_spec("backends")
     assert spec is None or "rope_ops" not in str(spec.origin or "")
+
+
+def _liar(kind):
+    """A third-party backend that misbehaves in a way rope_ops checks on a kind's first call."""
+    import torch
+
+    from rope_ops_backends.torch_backend import TorchBackend
+
+    class Liar(TorchBackend):
+        name = "liar"
+        allocates_outputs = kind == "wrong_shape"
+
+        def run(self, args):
+            if kind == "wrong_shape":
+                return torch.empty(1), None if args.k is None else torch.empty(1)
+            if kind == "no_write":
+                return None
+            return super().run(args)
+
+    return Liar()
+
+
+@pytest.mark.parametrize("kind", ["wrong_shape", "no_write"])
+def test_third_party_outputs_are_checked_once_per_kind(kind):
+    import torch
+
+    from rope_ops_backends.torch_backend import TorchBackend
+
+    with registry.override({"liar": _liar(kind), "torch": TorchBackend()}):
+        q = torch.randn(2, 3, 4, 8)
+        with pytest.raises(rope_ops.BackendError, match="liar") as info:
+            rope_ops.apply(q, q.clone(), 0, backend="liar")
+        assert info.value.refusals is None  # a failure, not a refusal
+
+
+def test_good_third_party_backend_is_checked_then_trusted():
+    import torch
+
+    from rope_ops import _ops
+    from rope_ops_backends.torch_backend import TorchBackend
+
+    good = _liar("none")
+    with registry.override({"liar": good, "torch": TorchBackend()}):
+        q = torch.randn(2, 3, 4, 8)
+        _ops._verified.clear()
+        for _ in range(3):
+            rope_ops.apply(q, q.clone(), 0, backend="liar")
+        assert [v for v in _ops._verified if v[0] == "liar"]

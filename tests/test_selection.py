@@ -12,8 +12,10 @@ from rope_ops_backends.torch_backend import TorchBackend
 class Recording(TorchBackend):
     """A torch backend that counts its runs and refuses what it is told to."""
 
-    def __init__(self, name, priority=0, devices=("cpu",), refuse=(), unavailable=None, auto=None):
+    def __init__(self, name, priority=0, devices=("cpu",), refuse=(), unavailable=None, auto=None,
+                 joins_auto=True):
         self.name = name
+        self.joins_auto = joins_auto
         self.priority = priority
         self.device_types = frozenset(devices)
         self.auto_device_types = None if auto is None else frozenset(auto)
@@ -113,8 +115,8 @@ def test_per_call_argument_and_context_override_env(fakes, monkeypatch):
 
 def test_decision_cached_per_kind_of_call(fakes, monkeypatch):
     calls = []
-    original = _select._decide
-    monkeypatch.setattr(_select, "_decide", lambda *a: calls.append(a) or original(*a))
+    original = _select.decide
+    monkeypatch.setattr(_select, "decide", lambda *a: calls.append(a) or original(*a))
     for _ in range(5):
         call()
     call(torch.float64)
@@ -128,7 +130,69 @@ def test_error_lists_every_backend(fakes):
     assert info.value.args[0].count("\n  ") >= 4
 
 
-def test_real_registry_auto_on_cpu_is_torch(monkeypatch):
+def test_real_registry_auto_on_cpu(monkeypatch):
+    """On CPU tensors auto picks the C++ cpu backend where it is available, else torch."""
     monkeypatch.delenv("ROPE_OPS_BACKEND", raising=False)
     q = torch.randn(1, 2, 2, 8)
-    assert rope_ops.select_backend(q, None, 0) == "torch"
+    cpu_ok = "cpu" in registry.names() and not registry.availability(registry.get("cpu"))
+    assert rope_ops.select_backend(q, None, 0) == ("cpu" if cpu_ok else "torch")
+
+
+def test_third_party_joins_auto_only_when_it_declares_it(fakes):
+    """Built-ins win ties; a third-party backend of higher priority takes automatic selection
+    only when it says so (joins_auto), otherwise it runs when named."""
+    fakes["fast"].joins_auto = False
+    fakes["medium"].joins_auto = False
+    call()
+    assert fakes["torch"].runs == 1 and fakes["fast"].runs == 0
+    call(backend="fast")
+    assert fakes["fast"].runs == 1
+    fakes["medium"].joins_auto = True
+    rope_ops.registry.reset()  # selection decisions are cached
+    call()
+    assert fakes["medium"].runs == 1
+
+
+def test_backend_argument_of_the_wrong_type_is_a_rope_error(fakes):
+    with pytest.raises(rope_ops.RopeError, match="backend"):
+        call(backend=123)
+    with pytest.raises(rope_ops.RopeError, match="backend"):
+        call(backend=["torch"])
+
+
+def test_plugin_whose_availability_raises_is_contained(fakes):
+    """availability() raising is that backend's reason; auto and lists carry on to the next."""
+    def boom():
+        raise RuntimeError("driver exploded")
+
+    fakes["fast"].availability = boom
+    call()
+    assert fakes["medium"].runs == 1
+    call(backend="fast,torch")
+    assert fakes["torch"].runs == 1
+    with pytest.raises(BackendError, match="driver exploded"):
+        call(backend="fast")
+
+
+def test_environment_is_read_through_public_apis(monkeypatch):
+    """The variable is read with os.environ on every call: set after import, changed between
+    calls, and an undecodable byte gives a BackendError naming it, not a UnicodeDecodeError."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, torch, rope_ops\n"
+            "q = torch.randn(1, 2, 2, 8)\n"
+            "os.environ['ROPE_OPS_BACKEND'] = 'torch'\n"
+            "print(rope_ops.select_backend(q, None, 0))\n"
+            "os.environ['ROPE_OPS_BACKEND'] = 'no-such'\n"
+            "try:\n    rope_ops.apply(q, None, 0)\nexcept rope_ops.BackendError as e:\n    print('error', 'no-such' in str(e))\n")
+    env = {k: v for k, v in os.environ.items() if k != "ROPE_OPS_BACKEND"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.stdout.split() == ["torch", "error", "True"], out.stderr
+    env_bytes = {k.encode(): v.encode() for k, v in env.items()}
+    env_bytes[b"ROPE_OPS_BACKEND"] = b"torch\xff"
+    code = ("import torch, rope_ops\nq = torch.randn(1, 2, 2, 8)\n"
+            "try:\n    rope_ops.apply(q, None, 0)\nexcept rope_ops.BackendError as e:\n    print('backend error')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, env=env_bytes)
+    assert out.stdout.decode().strip() == "backend error", out.stderr.decode()[-500:]
