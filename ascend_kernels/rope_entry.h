@@ -1,5 +1,6 @@
-// rope_ops Ascend C kernels: the kernel entry macro. Each file in kernels/ instantiates one entry
-// (ascendc_library wants one kernel entry per source file).
+// rope_ops Ascend C kernels: the kernel entry macros. Each file in kernels/ instantiates one entry
+// (ascendc_library wants one kernel entry per source file); a variant with its own cos/sin source
+// is one more file with ROPE_ENTRY_WITH_SOURCE.
 #ifndef ROPE_OPS_ASCEND_ROPE_ENTRY_H
 #define ROPE_OPS_ASCEND_ROPE_ENTRY_H
 
@@ -11,15 +12,20 @@
 #define ROPE_AIV_ONLY()
 #endif
 
-#define ROPE_ENTRY(NAME, T, INVERSE)                                                              \
+// One kernel entry: RopeKernel<T, INVERSE> with the cos/sin source SOURCE (see rope_kernel.h).
+#define ROPE_ENTRY_WITH_SOURCE(NAME, T, INVERSE, SOURCE)                                          \
     extern "C" __global__ __aicore__ void NAME(GM_ADDR q, GM_ADDR k, GM_ADDR qOut, GM_ADDR kOut,   \
                                                GM_ADDR pos, GM_ADDR cos, GM_ADDR sin,              \
                                                GM_ADDR freq, GM_ADDR tiling)                       \
     {                                                                                              \
         ROPE_AIV_ONLY();                                                                           \
-        rope_ops_ascend::RopeKernel<T, INVERSE> op;                                                \
+        rope_ops_ascend::RopeKernel<T, INVERSE, SOURCE> op;                                        \
         op.Init(q, k, qOut, kOut, pos, cos, sin, freq, tiling);                                    \
         op.Process();                                                                              \
     }
+
+// The op's entries: positions -> table rows (or on the fly).
+#define ROPE_ENTRY(NAME, T, INVERSE) \
+    ROPE_ENTRY_WITH_SOURCE(NAME, T, INVERSE, rope_ops_ascend::PositionTableSource)
 
 #endif  // ROPE_OPS_ASCEND_ROPE_ENTRY_H

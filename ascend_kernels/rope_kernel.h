@@ -17,8 +17,21 @@
 // neox (pairs i, i + r/2): C = [c, c], S' = [-s, s], R(x) = [x2, x1]
 // gptj (pairs 2i, 2i + 1): C = c repeated twice, S' = (-s, s) interleaved, R(x) swaps neighbours
 // which gives x' = x*c - y*s and y' = y*c + x*s; INVERSE negates S'. R and the expansions of c, s
-// are vector Gathers with offset tables built once per core; C and S' are built once per tile
-// and reused for every head of q and of k.
+// are vector Gathers with offset tables built once per core.
+//
+// Each core walks its tokens in tiles, and each tile goes through two stages, kept apart so that
+// a variant plugs into one of them instead of being a second kernel:
+//   1. cos/sin stage (CosSinStage): a cos/sin source fills the tile's compact rows, m*cos and
+//      m*sin of every frequency for each token; the kernel expands them to full width C and S'
+//      once per tile. The source is a template parameter; PositionTableSource (the only one so
+//      far) maps positions to table rows, or computes rows outside the table on the fly from
+//      freq_turns (rope_math.h), or writes NaN. Caller cos/sin given per token, or mRoPE's
+//      positions per axis and frequency section, are each one more source class.
+//   2. rotate stage (RotateHead), for every head of q and of k, reusing C and S': load the rotary
+//      dims of the tile's rows as float32 (LoadHead), rotate (RotateRows), round and store
+//      (StoreHead); the pass-through dims [r, D) are copied apart (CopyTail), or left alone in
+//      place. A prologue (the fused QKV split + per-head RMSNorm) is one step on the float rows
+//      between LoadHead and RotateRows.
 #ifndef ROPE_OPS_ASCEND_ROPE_KERNEL_H
 #define ROPE_OPS_ASCEND_ROPE_KERNEL_H
 
@@ -33,7 +46,103 @@ using namespace AscendC;
 
 constexpr int32_t BUFFER_NUM = 2;  // double buffering of the x / y / tail queues
 
-template <typename T, bool INVERSE>
+// ---------------------------------------------------------------------------------------------
+// Cos/sin sources. A source is a class with
+//   Init(pos, cos, sin, freq, tiling)  once per core: the kernel's pos/cos/sin/freq arguments,
+//                                      whatever they hold for this source, and the tiling;
+//   Fill(cs, sinBase, row0, n)         for the tokens row0 .. row0+n-1 of a tile, m*cos and m*sin
+//                                      of frequency i < r/2 into cs[t * halfPad + i] and
+//                                      cs[sinBase + t * halfPad + i], t < n.
+// Fill never reads outside its GM inputs. It may write cs by DataCopyPad (MTE2, ordered by the
+// csQueue events) or by the scalar unit; scalar writes it fences itself (V_S before the first,
+// S_V after the last), since the vector unit may still read cs for the previous tile.
+
+// Positions -> cos/sin table rows; positions outside [0, P) never touch the table: computed from
+// freq_turns by the scalar unit (rope_math.h, any int64 position), or NaN without freq_turns.
+class PositionTableSource {
+public:
+    __aicore__ inline PositionTableSource() {}
+
+    __aicore__ inline void Init(GM_ADDR pos, GM_ADDR cos, GM_ADDR sin, GM_ADDR freq, const RopeTiling* tl)
+    {
+        tl_ = tl;
+        if (tl->posMode == ROPE_POS_INT32) pos32Gm_.SetGlobalBuffer((__gm__ int32_t*)pos);
+        if (tl->posMode == ROPE_POS_INT64) pos64Gm_.SetGlobalBuffer((__gm__ int64_t*)pos);
+        cosGm_.SetGlobalBuffer((__gm__ float*)cos);
+        sinGm_.SetGlobalBuffer((__gm__ float*)sin);
+        if (tl->hasFreq) freqGm_.SetGlobalBuffer((__gm__ int64_t*)freq);
+        union { int32_t i; float f; } bits;
+        bits.i = (int32_t)tl->attnFactorBits;
+        attnFactor_ = bits.f;
+    }
+
+    __aicore__ inline void Fill(LocalTensor<float>& cs, int64_t sinBase, int64_t row0, int64_t n)
+    {
+        const RopeTiling& tl = *tl_;
+        DataCopyExtParams rowCopy{1, (uint32_t)(tl.halfDim * sizeof(float)), 0, 0, 0};
+        DataCopyPadExtParams<float> noPad{};
+        bool scalarWritten = false;
+        for (int64_t t = 0; t < n; ++t) {
+            int64_t row = row0 + t;
+            int64_t b = row / tl.seq, s = row - b * tl.seq;
+            int64_t p = Position(b, s);
+            if (p >= 0 && p < tl.tableRows) {
+                DataCopyPad(cs[t * tl.halfPad], cosGm_[p * tl.halfDim], rowCopy, noPad);
+                DataCopyPad(cs[sinBase + t * tl.halfPad], sinGm_[p * tl.halfDim], rowCopy, noPad);
+                continue;
+            }
+            if (!scalarWritten) {
+                event_t vs = static_cast<event_t>(GetTPipePtr()->FetchEventID(HardEvent::V_S));
+                SetFlag<HardEvent::V_S>(vs);
+                WaitFlag<HardEvent::V_S>(vs);
+                scalarWritten = true;
+            }
+            RowOffTable(cs, t * tl.halfPad, sinBase + t * tl.halfPad, p);
+        }
+        if (scalarWritten) {
+            event_t sv = static_cast<event_t>(GetTPipePtr()->FetchEventID(HardEvent::S_V));
+            SetFlag<HardEvent::S_V>(sv);
+            WaitFlag<HardEvent::S_V>(sv);
+        }
+    }
+
+private:
+    __aicore__ inline int64_t Position(int64_t b, int64_t s)
+    {
+        const RopeTiling& tl = *tl_;
+        if (tl.posMode == ROPE_POS_INT32) return pos32Gm_.GetValue(b * tl.posStrideB + s * tl.posStrideS);
+        if (tl.posMode == ROPE_POS_INT64) return pos64Gm_.GetValue(b * tl.posStrideB + s * tl.posStrideS);
+        return tl.posOffset + s;  // |posOffset| < 2^62 (rope_ops' limit): no overflow
+    }
+
+    // The row of a position outside the table, by the scalar unit.
+    __aicore__ inline void RowOffTable(LocalTensor<float>& cs, int64_t cosAt, int64_t sinAt, int64_t p)
+    {
+        for (int64_t i = 0; i < tl_->halfDim; ++i) {
+            float c, sn;
+            if (tl_->hasFreq) {
+                rope_sincos_turns(rope_turns_top(p, freqGm_.GetValue(i)), attnFactor_, &c, &sn);
+            } else {
+                union { uint32_t u; float f; } nan;
+                nan.u = 0x7fc00000u;
+                c = sn = nan.f;
+            }
+            cs.SetValue(cosAt + i, c);
+            cs.SetValue(sinAt + i, sn);
+        }
+    }
+
+    const RopeTiling* tl_ = nullptr;
+    GlobalTensor<int32_t> pos32Gm_;
+    GlobalTensor<int64_t> pos64Gm_, freqGm_;
+    GlobalTensor<float> cosGm_, sinGm_;
+    float attnFactor_ = 1.0f;
+};
+
+// ---------------------------------------------------------------------------------------------
+// The kernel.
+
+template <typename T, bool INVERSE, typename CosSinSource = PositionTableSource>
 class RopeKernel {
 public:
     __aicore__ inline RopeKernel() {}
@@ -48,14 +157,7 @@ public:
             kGm_.SetGlobalBuffer((__gm__ T*)k);
             kOutGm_.SetGlobalBuffer((__gm__ T*)kOut);
         }
-        if (tl_.posMode == ROPE_POS_INT32) pos32Gm_.SetGlobalBuffer((__gm__ int32_t*)pos);
-        if (tl_.posMode == ROPE_POS_INT64) pos64Gm_.SetGlobalBuffer((__gm__ int64_t*)pos);
-        cosGm_.SetGlobalBuffer((__gm__ float*)cos);
-        sinGm_.SetGlobalBuffer((__gm__ float*)sin);
-        if (tl_.hasFreq) freqGm_.SetGlobalBuffer((__gm__ int64_t*)freq);
-        union { int32_t i; float f; } bits;
-        bits.i = (int32_t)tl_.attnFactorBits;
-        attnFactor_ = bits.f;
+        source_.Init(pos, cos, sin, freq, &tl_);
 
         int64_t idx = GetBlockIdx();
         if (idx < tl_.formerNum) {
@@ -69,15 +171,17 @@ public:
         // UB: exactly rope_row_bytes() * tileRows, see rope_tiling.h.
         int64_t n = tl_.tileRows;
         int64_t full = n * tl_.rotPad;  // elements of one full-width tile buffer
-        pipe_.InitBuffer(inQueue_, BUFFER_NUM, full * sizeof(T));
-        pipe_.InitBuffer(outQueue_, BUFFER_NUM, full * sizeof(T));
-        if (tl_.tailPad > 0) pipe_.InitBuffer(tailQueue_, BUFFER_NUM, n * tl_.tailPad * sizeof(T));
+        // cos/sin stage
         pipe_.InitBuffer(csQueue_, 1, 2 * n * tl_.halfPad * sizeof(float));
         pipe_.InitBuffer(cosBuf_, full * sizeof(float));
         pipe_.InitBuffer(sinBuf_, full * sizeof(float));
-        pipe_.InitBuffer(rotOffBuf_, full * sizeof(uint32_t));
         pipe_.InitBuffer(expOffBuf_, full * sizeof(uint32_t));
         pipe_.InitBuffer(signBuf_, full * sizeof(float));
+        // rotate stage
+        pipe_.InitBuffer(inQueue_, BUFFER_NUM, full * sizeof(T));
+        pipe_.InitBuffer(outQueue_, BUFFER_NUM, full * sizeof(T));
+        if (tl_.tailPad > 0) pipe_.InitBuffer(tailQueue_, BUFFER_NUM, n * tl_.tailPad * sizeof(T));
+        pipe_.InitBuffer(rotOffBuf_, full * sizeof(uint32_t));
         pipe_.InitBuffer(rotBuf_, full * sizeof(float));
         if (sizeof(T) != sizeof(float)) {
             pipe_.InitBuffer(xfBuf_, full * sizeof(float));
@@ -92,7 +196,7 @@ public:
         for (int64_t done = 0; done < rowCount_; done += tl_.tileRows) {
             int64_t n = rowCount_ - done < tl_.tileRows ? rowCount_ - done : tl_.tileRows;
             int64_t row0 = rowStart_ + done;
-            LoadCosSin(row0, n);
+            CosSinStage(row0, n);
             for (int64_t h = 0; h < tl_.qHeads; ++h) {
                 RotateHead(qGm_, qOutGm_, tl_.qStrideB, tl_.qStrideS, tl_.qStrideH, tl_.qoStrideB,
                            tl_.qoStrideS, tl_.qoStrideH, h, row0, n);
@@ -154,57 +258,24 @@ private:
         }
     }
 
-    __aicore__ inline int64_t Position(int64_t b, int64_t s)
+    // Rows row .. end-1 in tiles cross batch entries: (b, s) of `row` and how many rows from it
+    // stay inside entry b (one strided copy each).
+    __aicore__ inline int64_t Segment(int64_t row, int64_t end, int64_t& b, int64_t& s) const
     {
-        if (tl_.posMode == ROPE_POS_INT32) return pos32Gm_.GetValue(b * tl_.posStrideB + s * tl_.posStrideS);
-        if (tl_.posMode == ROPE_POS_INT64) return pos64Gm_.GetValue(b * tl_.posStrideB + s * tl_.posStrideS);
-        return tl_.posOffset + s;
+        b = row / tl_.seq;
+        s = row - b * tl_.seq;
+        return tl_.seq - s < end - row ? tl_.seq - s : end - row;
     }
 
-    // cos/sin rows of tokens row0 .. row0+n-1, gathered by position, then expanded to the full
-    // width C and S' in cosBuf_/sinBuf_. Table rows are copied with DataCopyPad; positions outside
-    // [0, P) never touch the table: they are computed by the scalar unit (or set to NaN).
-    __aicore__ inline void LoadCosSin(int64_t row0, int64_t n)
+    // ---- stage 1: cos/sin of the tile ----------------------------------------------------------
+
+    // The source's compact rows of tokens row0 .. row0+n-1, expanded to the full width C and S'
+    // in cosBuf_/sinBuf_ (sign of each element's role and INVERSE folded into S').
+    __aicore__ inline void CosSinStage(int64_t row0, int64_t n)
     {
         LocalTensor<float> cs = csQueue_.AllocTensor<float>();
         int64_t sinBase = tl_.tileRows * tl_.halfPad;
-        DataCopyExtParams rowCopy{1, (uint32_t)(tl_.halfDim * sizeof(float)), 0, 0, 0};
-        DataCopyPadExtParams<float> noPad{};
-        bool scalarWritten = false;
-        for (int64_t t = 0; t < n; ++t) {
-            int64_t row = row0 + t;
-            int64_t b = row / tl_.seq, s = row - b * tl_.seq;
-            int64_t p = Position(b, s);
-            if (p >= 0 && p < tl_.tableRows) {
-                DataCopyPad(cs[t * tl_.halfPad], cosGm_[p * tl_.halfDim], rowCopy, noPad);
-                DataCopyPad(cs[sinBase + t * tl_.halfPad], sinGm_[p * tl_.halfDim], rowCopy, noPad);
-                continue;
-            }
-            if (!scalarWritten) {
-                // The vector unit may still read this buffer from the previous tile.
-                event_t vs = static_cast<event_t>(GetTPipePtr()->FetchEventID(HardEvent::V_S));
-                SetFlag<HardEvent::V_S>(vs);
-                WaitFlag<HardEvent::V_S>(vs);
-                scalarWritten = true;
-            }
-            for (int64_t i = 0; i < tl_.halfDim; ++i) {
-                float c, sn;
-                if (tl_.hasFreq) {
-                    rope_sincos_turns(rope_turns_top(p, freqGm_.GetValue(i)), attnFactor_, &c, &sn);
-                } else {
-                    union { uint32_t u; float f; } nan;
-                    nan.u = 0x7fc00000u;
-                    c = sn = nan.f;
-                }
-                cs.SetValue(t * tl_.halfPad + i, c);
-                cs.SetValue(sinBase + t * tl_.halfPad + i, sn);
-            }
-        }
-        if (scalarWritten) {
-            event_t sv = static_cast<event_t>(GetTPipePtr()->FetchEventID(HardEvent::S_V));
-            SetFlag<HardEvent::S_V>(sv);
-            WaitFlag<HardEvent::S_V>(sv);
-        }
+        source_.Fill(cs, sinBase, row0, n);
         csQueue_.EnQue(cs);
         cs = csQueue_.DeQue<float>();
         int32_t count = (int32_t)(n * tl_.rotPad);
@@ -216,6 +287,8 @@ private:
         Mul(sinFull, sinFull, signBuf_.Get<float>(), count);
         csQueue_.FreeTensor(cs);
     }
+
+    // ---- stage 2: rotate each head ---------------------------------------------------------------
 
     // `len` rows of `elems` elements, `stride` elements apart in GM, into consecutive UB rows of
     // `padElems` (32-byte multiple). Whole 32-byte blocks everywhere: DataCopy with block strides;
@@ -261,55 +334,58 @@ private:
                                       int64_t ss, int64_t sh, int64_t osb, int64_t oss, int64_t osh,
                                       int64_t h, int64_t row0, int64_t n)
     {
-        // Copy in: one strided copy per run of rows inside one batch entry. Each row is padded
-        // to rotPad elements (32 bytes) in UB.
-        LocalTensor<T> x = inQueue_.AllocTensor<T>();
-        for (int64_t row = row0; row < row0 + n;) {
-            int64_t b = row / tl_.seq, s = row - b * tl_.seq;
-            int64_t len = tl_.seq - s < row0 + n - row ? tl_.seq - s : row0 + n - row;
-            CopyRowsIn(x[(row - row0) * tl_.rotPad], in[b * sb + s * ss + h * sh], len, tl_.rotaryDim, ss, tl_.rotPad);
-            row += len;
-        }
-        inQueue_.EnQue(x);
-
+        LoadHead(in, sb, ss, sh, h, row0, n);
         if (tl_.tailPad > 0) CopyTail(in, out, sb, ss, sh, osb, oss, osh, h, row0, n);
-
-        // Compute.
-        x = inQueue_.DeQue<T>();
+        LocalTensor<T> x = inQueue_.DeQue<T>();
         LocalTensor<T> y = outQueue_.AllocTensor<T>();
         int32_t count = (int32_t)(n * tl_.rotPad);
-        LocalTensor<float> cosFull = cosBuf_.Get<float>();
-        LocalTensor<float> sinFull = sinBuf_.Get<float>();
-        LocalTensor<float> rot = rotBuf_.Get<float>();
-        LocalTensor<uint32_t> rotOff = rotOffBuf_.Get<uint32_t>();
         if constexpr (sizeof(T) == sizeof(float)) {
-            LocalTensor<float> xf = x.template ReinterpretCast<float>();
-            LocalTensor<float> yf = y.template ReinterpretCast<float>();
-            Gather(rot, xf, rotOff, (uint32_t)0, (uint32_t)count);
-            Mul(rot, rot, sinFull, count);
-            Mul(yf, xf, cosFull, count);
-            Add(yf, yf, rot, count);
+            RotateRows(x.template ReinterpretCast<float>(), y.template ReinterpretCast<float>(), count);
         } else {
             LocalTensor<float> xf = xfBuf_.Get<float>();
             LocalTensor<float> yf = yfBuf_.Get<float>();
             Cast(xf, x, RoundMode::CAST_NONE, count);
-            Gather(rot, xf, rotOff, (uint32_t)0, (uint32_t)count);
-            Mul(rot, rot, sinFull, count);
-            Mul(yf, xf, cosFull, count);
-            Add(yf, yf, rot, count);
+            RotateRows(xf, yf, count);
             Cast(y, yf, RoundMode::CAST_RINT, count);
         }
         inQueue_.FreeTensor(x);
         outQueue_.EnQue(y);
+        StoreHead(out, osb, oss, osh, h, row0, n);
+    }
 
-        // Copy out: only the r valid elements of each UB row reach GM.
-        y = outQueue_.DeQue<T>();
-        for (int64_t row = row0; row < row0 + n;) {
-            int64_t b = row / tl_.seq, s = row - b * tl_.seq;
-            int64_t len = tl_.seq - s < row0 + n - row ? tl_.seq - s : row0 + n - row;
+    // Copy in the rotary dims of head h, one strided copy per run of rows inside one batch entry;
+    // each row lands padded to rotPad elements (32 bytes) in UB. Enqueued on inQueue_.
+    __aicore__ inline void LoadHead(GlobalTensor<T>& in, int64_t sb, int64_t ss, int64_t sh, int64_t h,
+                                    int64_t row0, int64_t n)
+    {
+        LocalTensor<T> x = inQueue_.AllocTensor<T>();
+        for (int64_t row = row0, b, s, len; row < row0 + n; row += len) {
+            len = Segment(row, row0 + n, b, s);
+            CopyRowsIn(x[(row - row0) * tl_.rotPad], in[b * sb + s * ss + h * sh], len, tl_.rotaryDim, ss,
+                       tl_.rotPad);
+        }
+        inQueue_.EnQue(x);
+    }
+
+    // y = x * C + R(x) * S' on `count` float32 elements (whole padded rows of the tile).
+    __aicore__ inline void RotateRows(const LocalTensor<float>& xf, const LocalTensor<float>& yf, int32_t count)
+    {
+        LocalTensor<float> rot = rotBuf_.Get<float>();
+        Gather(rot, xf, rotOffBuf_.Get<uint32_t>(), (uint32_t)0, (uint32_t)count);
+        Mul(rot, rot, sinBuf_.Get<float>(), count);
+        Mul(yf, xf, cosBuf_.Get<float>(), count);
+        Add(yf, yf, rot, count);
+    }
+
+    // Copy out the y rows of outQueue_: only the r valid elements of each UB row reach GM.
+    __aicore__ inline void StoreHead(GlobalTensor<T>& out, int64_t osb, int64_t oss, int64_t osh, int64_t h,
+                                     int64_t row0, int64_t n)
+    {
+        LocalTensor<T> y = outQueue_.DeQue<T>();
+        for (int64_t row = row0, b, s, len; row < row0 + n; row += len) {
+            len = Segment(row, row0 + n, b, s);
             CopyRowsOut(out[b * osb + s * oss + h * osh], y[(row - row0) * tl_.rotPad], len, tl_.rotaryDim, oss,
                         tl_.rotPad);
-            row += len;
         }
         outQueue_.FreeTensor(y);
     }
@@ -320,21 +396,17 @@ private:
                                     int64_t row0, int64_t n)
     {
         LocalTensor<T> t = tailQueue_.AllocTensor<T>();
-        for (int64_t row = row0; row < row0 + n;) {
-            int64_t b = row / tl_.seq, s = row - b * tl_.seq;
-            int64_t len = tl_.seq - s < row0 + n - row ? tl_.seq - s : row0 + n - row;
+        for (int64_t row = row0, b, s, len; row < row0 + n; row += len) {
+            len = Segment(row, row0 + n, b, s);
             CopyRowsIn(t[(row - row0) * tl_.tailPad], in[b * sb + s * ss + h * sh + tl_.rotaryDim], len, tl_.tailDim,
                        ss, tl_.tailPad);
-            row += len;
         }
         tailQueue_.EnQue(t);
         t = tailQueue_.DeQue<T>();
-        for (int64_t row = row0; row < row0 + n;) {
-            int64_t b = row / tl_.seq, s = row - b * tl_.seq;
-            int64_t len = tl_.seq - s < row0 + n - row ? tl_.seq - s : row0 + n - row;
+        for (int64_t row = row0, b, s, len; row < row0 + n; row += len) {
+            len = Segment(row, row0 + n, b, s);
             CopyRowsOut(out[b * osb + s * oss + h * osh + tl_.rotaryDim], t[(row - row0) * tl_.tailPad], len,
                         tl_.tailDim, oss, tl_.tailPad);
-            row += len;
         }
         tailQueue_.FreeTensor(t);
     }
@@ -346,11 +418,8 @@ private:
     TQue<QuePosition::VECIN, 1> csQueue_;
     TBuf<TPosition::VECCALC> cosBuf_, sinBuf_, rotOffBuf_, expOffBuf_, signBuf_, rotBuf_, xfBuf_, yfBuf_;
     GlobalTensor<T> qGm_, kGm_, qOutGm_, kOutGm_;
-    GlobalTensor<int32_t> pos32Gm_;
-    GlobalTensor<int64_t> pos64Gm_, freqGm_;
-    GlobalTensor<float> cosGm_, sinGm_;
+    CosSinSource source_;
     RopeTiling tl_;
-    float attnFactor_ = 1.0f;
     int64_t rowStart_ = 0, rowCount_ = 0;
 };
 

@@ -1,12 +1,16 @@
 // rope_ops Ascend C kernels: cos/sin of an angle given as a 32-bit fraction of a turn.
 //
 // Used for positions outside the cos/sin table. The angle of position p for frequency i is the
-// wrapping 64-bit product p * freq_turns[i] (a fraction of a turn, exact); its top 32 bits are the
-// angle in turns times 2^32. Range reduction is done on that integer, exactly: the nearest quarter
-// turn q and a remainder in [-1/8, 1/8) turn. The remainder becomes a float angle in [-pi/4, pi/4)
-// (one rounding, relative 2^-24) and short Taylor polynomials give sin and cos with truncation
-// error below 2e-9. Only scalar float arithmetic: it runs on the AI core's scalar unit and, in the
-// CPU simulation, as plain C++.
+// wrapping 64-bit product p * freq_turns[i], a fraction of a turn that is exact arithmetic modulo
+// one turn for every int64 p (no overflow, no float product); its top 32 bits are the angle in
+// turns times 2^32 (truncated: at most 2^-32 turn low). rope_ops' freq_turns are within 2^-65 turn
+// of the true frequency, so the angle handed to rope_sincos_turns is within |p| * 2^-65 + 2^-32
+// turn of exact: under 2^-24 turn (3.7e-7 rad) for every |p| < 2^40.
+// Range reduction is done on that integer, exactly: the nearest quarter turn q and a remainder in
+// [-1/8, 1/8) turn. The remainder becomes a float angle in [-pi/4, pi/4) (one rounding, relative
+// 2^-24) and short Taylor polynomials give sin and cos with truncation error below 2e-9; cos and
+// sin come out within 3e-7 of exact (tests/test_ascend_kernel_sim.py samples the turn). Only scalar
+// float arithmetic: it runs on the AI core's scalar unit and, in the CPU emulation, as plain C++.
 #ifndef ROPE_OPS_ASCEND_ROPE_MATH_H
 #define ROPE_OPS_ASCEND_ROPE_MATH_H
 

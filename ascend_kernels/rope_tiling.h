@@ -100,16 +100,21 @@ static inline int rope_stride_ok(int64_t stride, int64_t len, int64_t elemSize, 
     return (stride - len) * elemSize <= ROPE_MAX_STRIDE;
 }
 
-// UB bytes per tile row, as allocated by RopeKernel::Init (see rope_kernel.h).
+// UB bytes per tile row, as allocated by RopeKernel::Init (see rope_kernel.h), by stage.
 static inline int64_t rope_row_bytes(const RopeTiling* t) {
     int64_t es = t->elemSize;
-    int64_t io = 2 * 2 * t->rotPad * es;             // inQueue + outQueue, double-buffered, T
-    int64_t tail = 2 * t->tailPad * es;              // tailQueue, double-buffered, T
-    int64_t cs = 2 * t->halfPad * 4;                 // csQueue: cos and sin rows, float
-    int64_t f32 = 6 * t->rotPad * 4;                 // cos, sin (full width), rotate/expand
-                                                     // offsets, sign, rotated x
-    int64_t cast = es == 4 ? 0 : 2 * t->rotPad * 4;  // x and y in float (fp16/bf16)
-    return io + tail + cs + f32 + cast;
+    // cos/sin stage: the source's compact cos and sin rows (csQueue, float), their full-width
+    // expansions C and S' (cosBuf, sinBuf), the expansion offsets and the pair signs.
+    int64_t compact = 2 * t->halfPad * 4;
+    int64_t expanded = 4 * t->rotPad * 4;
+    // rotate stage: x in and y out (inQueue + outQueue, double-buffered, T), the tail
+    // (tailQueue, double-buffered, T), the partner offsets and the rotated x (float), and x and y
+    // in float for fp16/bf16.
+    int64_t io = 2 * 2 * t->rotPad * es;
+    int64_t tail = 2 * t->tailPad * es;
+    int64_t rotate = 2 * t->rotPad * 4;
+    int64_t cast = es == 4 ? 0 : 2 * t->rotPad * 4;
+    return compact + expanded + io + tail + rotate + cast;
 }
 
 // Fills the output fields of t from its input fields. Returns a RopeTilingStatus.

@@ -337,3 +337,111 @@ def test_kernel_source_lint():
     assert not re.search(r"DataCopy\([^;]*,\s*[a-z]\w*Count\)", code)
     # Every InitBuffer size is one of the terms rope_row_bytes() counts.
     assert code.count("pipe_.InitBuffer(") == 12
+
+
+# ------------------------------------------------------------------------------ the cos/sin seam
+@pytest.mark.parametrize("inverse", [False, True], ids=["fwd", "grad"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
+@pytest.mark.parametrize("style", STYLES)
+def test_second_cos_sin_source_through_the_same_kernel(sim, style, dtype, inverse):
+    """rope_kernel.h's stage 1 is a template parameter: the test-only TokenRowsSource (cos/sin
+    given per token, the shape of the coming variant) runs through the unchanged rotate stage."""
+    gen = torch.Generator().manual_seed(7)
+    B, S, Hq, Hk, D, r = 3, 5, 3, 2, 40, 24
+    q = torch.randn(S, B, Hq, D, generator=gen).to(dtype)  # sbhd: strided [B, S, H, D] views
+    k = torch.randn(S, B, Hk, D, generator=gen).to(dtype)
+    angles = torch.rand(B * S, r // 2, generator=gen, dtype=torch.float64) * 200 - 100
+    cos, sin = (1.5 * torch.cos(angles)).float(), (1.5 * torch.sin(angles)).float()
+    token = torch.arange(B * S).view(B, S)  # row b*S + s of the tables is token (b, s)
+    q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
+    args = KernelArgs(q=q, k=k, q_out=q_out, k_out=k_out, pos=token, pos_offset=0, cos=cos, sin=sin,
+                      freq_turns=None, attention_factor=1.0, layout="sbhd", rotary_dim=r,
+                      interleaved=style == "gptj", inverse=inverse, inplace=False)
+    views = kc.kernel_views(args)
+    t = tl.compute_tiling(kc.tiling_params(views, inverse), 8192, 2)  # small UB: several tiles
+    assert t["tileRows"] < t["formerRows"]
+    stats = sim.launch(views, t, tl.pack(t), inverse, token_rows=True)
+    for x, out in ((q, q_out), (k, k_out)):
+        ref = rope_reference(x, token.T.contiguous().T, layout="sbhd", rotary_dim=r, style=style,
+                             cos_sin=(cos, sin), inverse=inverse)
+        bound = _allowed(x, ref, dtype, r, style)
+        ok = (out.double() - ref).abs() <= bound
+        ok[..., r:] = out[..., r:].double() == x[..., r:].double()
+        assert bool(ok.all()), f"{(~ok).sum().item()} elements off"
+    # Each token's row read once (not per head, not per position lookup), and positions never.
+    assert stats["cos_io"] == (B * S * (r // 2) * 4, 0) and stats["sin_io"] == (B * S * (r // 2) * 4, 0)
+    assert stats["scalar_ub_writes"] == 3 * t["rotPad"] * t["blockDim"]  # BuildTables only
+
+
+# ------------------------------------------------------------------------------ huge positions
+def exact_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, m: float = 1.0):
+    """float64 m*cos, m*sin of position * inv_freq with the angle reduced exactly (a float64
+    product is off by ~1e-4 rad at 2^40): [N, r/2] for positions [N]."""
+    import math
+
+    from rope_ops.frequencies import reduced_angle
+
+    rows = [[reduced_angle(int(p), float(f)) for f in inv_freq.tolist()] for p in positions.tolist()]
+    angle = torch.tensor(rows, dtype=torch.float64)
+    return m * torch.cos(angle), m * torch.sin(angle)
+
+
+HUGE = [2**40 - 1, -(2**40 - 1), 2**40 - 4097, 2**39 + 12345, -(2**33) - 7, 2**31 + 5, 123456789012]
+
+
+@pytest.mark.parametrize("pos_dtype", ["offset", "int64"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
+@pytest.mark.parametrize("style", STYLES)
+def test_positions_up_to_2_pow_40_meet_spec(sim, style, dtype, pos_dtype):
+    """SPEC's bound for every |position| < 2^40 with builtin tables: the kernel's on-the-fly angle
+    (rope_math.h) against angles reduced exactly, rows inside the table mixed in."""
+    gen = torch.Generator().manual_seed(11)
+    B, S, Hq, Hk, D, r = 2, 7, 2, 1, 48, 48
+    inv = _inv_freq(r, 500000.0)
+    cos, sin = cos_sin_table(inv, 1.25, 16)
+    cos, sin = cos.clone(), sin.clone()
+    if pos_dtype == "offset":
+        offset, pos = 2**40 - 2 * S, None
+        positions = (offset + torch.arange(S)).expand(B, S)
+    else:
+        offset = 0
+        pos = torch.tensor(HUGE * 2, dtype=torch.int64)[: B * S].view(B, S)
+        pos[1, 0], pos[1, 1] = 3, 15  # table rows in the same tile
+        positions = pos
+    q = torch.randn(B, S, Hq, D, generator=gen).to(dtype)
+    k = torch.randn(B, S, Hk, D, generator=gen).to(dtype)
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    args = KernelArgs(q=q, k=k, q_out=q_out, k_out=k_out, pos=pos, pos_offset=offset, cos=cos, sin=sin,
+                      freq_turns=freq_turns_of(inv), attention_factor=1.25, layout="bshd", rotary_dim=r,
+                      interleaved=style == "gptj", inverse=False, inplace=False)
+    views = kc.kernel_views(args)
+    t = tl.compute_tiling(kc.tiling_params(views, False), 196608, 3)
+    sim.launch(views, t, tl.pack(t), False)
+    c, s = exact_cos_sin(positions.reshape(-1), inv, 1.25)
+    token = torch.arange(B * S).view(B, S)
+    for x, out in ((q, q_out), (k, k_out)):
+        ref = rope_reference(x, token, layout="bshd", rotary_dim=r, style=style, cos_sin=(c, s))
+        err = (out.double() - ref).abs()
+        assert bool((err <= _allowed(x, ref, dtype, r, style)).all()), err.max().item()
+
+
+def test_positions_beyond_2_pow_40_stay_rotations(sim):
+    """Past 2^40 SPEC promises no accuracy, but every int64 position still gives a rotation:
+    finite outputs, each pair's norm kept, no read outside the table."""
+    r = 32
+    extremes = torch.tensor([-(2**63), 2**63 - 1, 2**62, -(2**62), 2**50 + 3, -(2**41)], dtype=torch.int64)
+    q = torch.randn(1, extremes.numel(), 2, r, generator=torch.Generator().manual_seed(3))
+    out = torch.empty_like(q)
+    inv = _inv_freq(r)
+    cos, sin = cos_sin_table(inv, 1.0, 8)
+    args = KernelArgs(q=q, k=None, q_out=out, k_out=None, pos=extremes.view(1, -1), pos_offset=0,
+                      cos=cos.clone(), sin=sin.clone(), freq_turns=freq_turns_of(inv), attention_factor=1.0,
+                      layout="bshd", rotary_dim=r, interleaved=False, inverse=False, inplace=False)
+    views = kc.kernel_views(args)
+    t = tl.compute_tiling(kc.tiling_params(views, False), 196608, 2)
+    stats = sim.launch(views, t, tl.pack(t), False)
+    assert stats["cos_io"] == (0, 0)
+    assert bool(torch.isfinite(out).all())
+    norm_in = q[..., : r // 2].square() + q[..., r // 2:].square()
+    norm_out = out[..., : r // 2].square() + out[..., r // 2:].square()
+    torch.testing.assert_close(norm_out, norm_in, rtol=2e-6, atol=1e-6)

@@ -70,14 +70,17 @@ def _stride_ok(stride: int, length: int, elem_size: int, seq: int) -> bool:
 
 
 def row_bytes(t: dict) -> int:
-    """UB bytes per tile row (the kernel's InitBuffer sizes divided by tileRows)."""
+    """UB bytes per tile row (the kernel's InitBuffer sizes divided by tileRows), by stage."""
     es = t["elemSize"]
+    # cos/sin stage: compact cos/sin rows; full-width C, S', expansion offsets, signs
+    compact = 2 * t["halfPad"] * 4
+    expanded = 4 * t["rotPad"] * 4
+    # rotate stage: x/y queues, tail queue, partner offsets + rotated x, float x/y for fp16/bf16
     io = 2 * 2 * t["rotPad"] * es
     tail = 2 * t["tailPad"] * es
-    cs = 2 * t["halfPad"] * 4
-    f32 = 6 * t["rotPad"] * 4
+    rotate = 2 * t["rotPad"] * 4
     cast = 0 if es == 4 else 2 * t["rotPad"] * 4
-    return io + tail + cs + f32 + cast
+    return compact + expanded + io + tail + rotate + cast
 
 
 def compute_tiling(params: dict, ub_size: int, core_num: int) -> dict:

@@ -20,9 +20,9 @@ from rope_ops_backends._paths import source_dir
 
 HERE = Path(__file__).resolve().parent
 KERNELS = source_dir("ascend_kernels")  # the shipped kernel sources, checkout or installed
-SOURCES = [HERE / "sim_main.cpp", HERE / "kernel_operator.h", KERNELS / "rope_kernel.h",
-           KERNELS / "rope_tiling.h", KERNELS / "rope_math.h", KERNELS / "rope_entry.h",
-           *sorted((KERNELS / "kernels").glob("*.cpp"))]
+SOURCES = [HERE / "sim_main.cpp", HERE / "kernel_operator.h", HERE / "token_rows_source.h",
+           KERNELS / "rope_kernel.h", KERNELS / "rope_tiling.h", KERNELS / "rope_math.h",
+           KERNELS / "rope_entry.h", *sorted((KERNELS / "kernels").glob("*.cpp"))]
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -69,7 +69,7 @@ class Sim:
         self.lib = ctypes.CDLL(str(lib_path))
         self.lib.rope_sim_tiling.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         self.lib.rope_sim_launch.argtypes = [
-            ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int64, ctypes.c_int64,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int64, ctypes.c_int64,
             ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64), ctypes.c_int,
             ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.c_char_p, ctypes.c_int]
         self.lib.rope_sim_sincos.argtypes = [ctypes.c_int32, ctypes.c_float, ctypes.POINTER(ctypes.c_float),
@@ -90,9 +90,10 @@ class Sim:
         self.lib.rope_sim_sincos(top, m, ctypes.byref(c), ctypes.byref(s))
         return c.value, s.value
 
-    def launch(self, views, tiling: dict, packed: bytes, inverse: bool) -> dict:
+    def launch(self, views, tiling: dict, packed: bytes, inverse: bool, token_rows: bool = False) -> dict:
         """Run the kernel for ``views`` (a _kernel_call.KernelViews of CPU tensors) with the
-        tiling dict/bytes. Returns statistics; raises SimError on any emulator check."""
+        tiling dict/bytes. Returns statistics; raises SimError on any emulator check.
+        ``token_rows``: the kernel with the test-only TokenRowsSource (token_rows_source.h)."""
         tiling_buf = ctypes.create_string_buffer(packed, len(packed))
         tensors = [views.q, views.k, views.q_out, views.k_out, views.pos, views.cos, views.sin,
                    views.freq_turns]
@@ -113,7 +114,7 @@ class Sim:
         stats = (ctypes.c_int64 * 8)()
         reg_stats = (ctypes.c_int64 * (2 * len(regions)))()
         err = ctypes.create_string_buffer(512)
-        rc = self.lib.rope_sim_launch(DTYPE_CODE[views.q.dtype], int(inverse), args, tiling["blockDim"],
+        rc = self.lib.rope_sim_launch(int(token_rows), DTYPE_CODE[views.q.dtype], int(inverse), args, tiling["blockDim"],
                                       tiling["ubSize"], reg_ptrs, reg_bytes, len(regions), stats,
                                       reg_stats, err, 512)
         if rc != 0:

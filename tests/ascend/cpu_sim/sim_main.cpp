@@ -9,6 +9,7 @@
 #include "kernels/rotary_embedding_grad_fp32.cpp"
 #include "kernels/rotary_embedding_grad_fp16.cpp"
 #include "kernels/rotary_embedding_grad_bf16.cpp"
+#include "token_rows_source.h"  // a second cos/sin source through the same kernel (test-only)
 
 #undef ROPE_KERNEL_SIDE
 #include "rope_tiling.h"  // again, now with the host tiling
@@ -23,18 +24,20 @@ int rope_sim_tiling(RopeTiling* t, int64_t ubSize, int64_t coreNum) { return com
 
 int rope_sim_sincos(int32_t top, float m, float* c, float* s) { rope_sincos_turns(top, m, c, s); return 0; }
 
-// dtype: 0 fp32, 1 fp16, 2 bf16. args: q, k, qOut, kOut, pos, cos, sin, freq, tiling (device
-// pointers, some null). regions: nRegions (pointer, bytes) pairs, the only memory the kernel may
+// source: 0 the shipped entries (positions -> table rows), 1 TokenRowsSource. dtype: 0 fp32,
+// 1 fp16, 2 bf16. args: q, k, qOut, kOut, pos, cos, sin, freq, tiling (device pointers, some null). regions: nRegions (pointer, bytes) pairs, the only memory the kernel may
 // touch. stats out (8 int64): peak UB bytes, DataCopyPad calls, vector calls, scalar UB writes,
 // DataCopy calls,
 // then per-region read/write bytes are written to regionStats (2 per region).
-int rope_sim_launch(int dtype, int grad, void** args, int64_t numBlocks, int64_t ubSize, void** regions,
+int rope_sim_launch(int source, int dtype, int grad, void** args, int64_t numBlocks, int64_t ubSize, void** regions,
                     const int64_t* regionBytes, int nRegions, int64_t* stats, int64_t* regionStats,
                     char* err, int errLen) {
-    static const RopeEntry entries[2][3] = {
-        {rope_ops_rotary_embedding_fp32, rope_ops_rotary_embedding_fp16, rope_ops_rotary_embedding_bf16},
-        {rope_ops_rotary_embedding_grad_fp32, rope_ops_rotary_embedding_grad_fp16,
-         rope_ops_rotary_embedding_grad_bf16}};
+    static const RopeEntry entries[2][2][3] = {
+        {{rope_ops_rotary_embedding_fp32, rope_ops_rotary_embedding_fp16, rope_ops_rotary_embedding_bf16},
+         {rope_ops_rotary_embedding_grad_fp32, rope_ops_rotary_embedding_grad_fp16,
+          rope_ops_rotary_embedding_grad_bf16}},
+        {{rope_sim_token_rows_fp32, rope_sim_token_rows_fp16, rope_sim_token_rows_bf16},
+         {rope_sim_token_rows_grad_fp32, rope_sim_token_rows_grad_fp16, rope_sim_token_rows_grad_bf16}}};
     rope_sim::State& s = rope_sim::st();
     s.regions.clear();
     for (int i = 0; i < nRegions; ++i)
@@ -45,7 +48,7 @@ int rope_sim_launch(int dtype, int grad, void** args, int64_t numBlocks, int64_t
             rope_sim::reset_core(b, numBlocks, (size_t)ubSize);
             GM_ADDR a[9];
             for (int i = 0; i < 9; ++i) a[i] = (GM_ADDR)args[i];
-            entries[grad ? 1 : 0][dtype](a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
+            entries[source ? 1 : 0][grad ? 1 : 0][dtype](a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
         }
     } catch (const std::exception& e) {
         std::snprintf(err, errLen, "core %lld: %s", (long long)s.blockIdx, e.what());
