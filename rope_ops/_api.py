@@ -287,14 +287,18 @@ def _make_plan(backend, call, cos, sin, freq_turns, attention_factor, layout, ro
 
 
 @torch._dynamo.assume_constant_result
-def _traced_table_key(rotary_dim: int, base: float, scaling, max_position, seq_len, rows: int,
-                      device: str) -> str:
+def _traced_table_key(rotary_dim: str, base: float, scaling, max_position: str, seq_len: str,
+                      rows: str, device: str) -> str:
     """Builds (once, at trace time) the tables for these frequencies and returns their cache
-    key; traced code then reads them out of the cache (see _tables)."""
-    freqs = frequencies(rotary_dim, base, scaling, max_position, seq_len)
-    rows, device = rows_for(freqs, rows), torch.device(device)
-    CACHE.get(freqs, rows, device)
-    return table_key(freqs, rows, device)
+    key; traced code then reads them out of the cache (see _tables). Integers come as strings:
+    formatting a symbolic size specializes it, which is what a table needs."""
+    def as_int(text):
+        return None if text == "None" else int(text)
+
+    freqs = frequencies(int(rotary_dim), base, scaling, as_int(max_position), as_int(seq_len))
+    n_rows, where = rows_for(freqs, int(rows)), torch.device(device)
+    CACHE.get(freqs, n_rows, where)
+    return table_key(freqs, n_rows, where)
 
 
 def _rope_tables(rope: RotaryEmbedding, device, seq_len, compiling):
@@ -302,8 +306,8 @@ def _rope_tables(rope: RotaryEmbedding, device, seq_len, compiling):
         return rope.tables(device, seq_len)
     if (seq_len is None or rope.rope_type not in SEQ_LEN_TYPES) and rope.cos_table.device == device:
         return rope.cos_table, rope.sin_table, rope.freq_turns, rope.attention_factor
-    key = _traced_table_key(rope.rotary_dim, rope.base, rope.scaling, rope.max_position, seq_len,
-                            rope._default_rows, str(device))
+    key = _traced_table_key(f"{rope.rotary_dim}", rope.base, rope.scaling, f"{rope.max_position}",
+                            f"{seq_len}", f"{rope._default_rows}", f"{device}")
     return CACHE.by_key(key)
 
 
@@ -311,8 +315,8 @@ def _functional_tables(rotary_dim, base, scaling, max_position, seq_len, device,
     base = resolve_base(base, scaling)
     rows = default_table_rows(max_position)
     if compiling:
-        return CACHE.by_key(_traced_table_key(int(rotary_dim), base, scaling, max_position, seq_len,
-                                              rows, str(device)))
+        return CACHE.by_key(_traced_table_key(f"{rotary_dim}", base, scaling, f"{max_position}",
+                                              f"{seq_len}", f"{rows}", f"{device}"))
     freqs = frequencies(rotary_dim, base, scaling, max_position, seq_len)
     return CACHE.get(freqs, rows_for(freqs, rows), device)
 

@@ -1,8 +1,15 @@
-"""``python -m rope_ops info``: every backend, whether it can run here and why, and what
-automatic selection picks on each visible device."""
+"""``python -m rope_ops info``: the backends on this machine, readable (``--json`` for tools).
+
+What it reports: each registered backend, whether it can run here and why not, whether it joins
+automatic selection (rope_ops' own do; a third-party backend only when it sets
+``joins_auto = True``) and what it supports; what a typical call gets on each visible device
+under the backend request in force (``ROPE_OPS_BACKEND``), or the error such a call raises; and
+plugin problems (entry points ignored, backends that failed to load).
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import platform
@@ -10,9 +17,15 @@ import platform
 import torch
 
 from . import _select, registry
+from ._errors import BackendError
 from .backend import RopeCall
 
 _PROBE_DTYPE = {"cpu": torch.float32}
+_DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+# Raw texts some libraries put in their errors, and what they mean to a reader of this report.
+_READABLE = (
+    ("0 active drivers", "no GPU driver for Triton (Triton found no CUDA or ROCm device and driver)"),
+)
 
 
 def visible_devices() -> list[str]:
@@ -28,70 +41,175 @@ def visible_devices() -> list[str]:
 
 
 def probe_call(device_type: str, **changes) -> RopeCall:
-    """A typical call (Llama-like bf16 prefill, or float32 on the CPU) to report selection for."""
+    """A typical call to report selection for: Llama-like prefill, bf16 (float32 on the CPU), bshd,
+    NeoX, head_dim 128, 32 q / 8 k heads, int64 positions, no gradient."""
     call = RopeCall(device_type, _PROBE_DTYPE.get(device_type, torch.bfloat16), "bshd", "neox", 128, 128,
                     32, 8, False, torch.int64, False, False, True)
     return call._replace(**changes)
 
 
+def readable(reason: str) -> str:
+    for raw, meaning in _READABLE:
+        if raw in reason:
+            return meaning
+    return reason
+
+
+def _distributions() -> dict[str, tuple[str | None, str]]:
+    """Backend name -> (distribution, entry point value) of the entry points in our group."""
+    found = {}
+    try:
+        for ep in importlib.metadata.entry_points(group=registry.NAMESPACE):
+            dist = getattr(getattr(ep, "dist", None), "name", None)
+            found.setdefault(ep.name, (dist, ep.value))
+    except Exception:  # metadata unreadable: the report still lists the backends
+        pass
+    return found
+
+
+def _capabilities(backend) -> dict:
+    try:
+        return backend.describe()
+    except Exception as error:
+        return {"error": f"describe() raised {registry.describe_error(error)}"}
+
+
+def _selection(request: str, device_type: str) -> dict:
+    call = probe_call(device_type)
+    try:
+        return {"backend": _select.decide(request, call).name}
+    except BackendError as error:
+        return {"backend": None, "error": f"BackendError: {error}"}
+    except Exception as error:  # report, never crash: info is a diagnostic tool
+        return {"backend": None, "error": f"{type(error).__name__}: {error}"}
+
+
 def collect() -> dict:
+    import rope_ops
+
     loaded, failures = registry.load_all()
+    distributions = _distributions()
     backends = {}
     for name in registry.names():
+        builtin = registry.is_builtin(name)
+        dist, target = distributions.get(name, (None, None))
+        entry = {"builtin": builtin, "distribution": dist, "entry_point": target}
         if name in failures:
-            backends[name] = {"loaded": False, "available": False, "reasons": [f"failed to load: {failures[name]}"]}
-            continue
-        backend = loaded[name]
-        reasons = list(backend.availability())
-        entry = {"loaded": True, "available": not reasons, "reasons": reasons,
-                 "class": f"{type(backend).__module__}.{type(backend).__qualname__}",
-                 "capabilities": backend.describe()}
+            entry.update(state="failed to load", available=False, joins_auto=builtin,
+                         reasons=[readable(f"failed to load: {failures[name]}")])
+        else:
+            backend = loaded[name]
+            reasons = [readable(r) for r in registry.availability(backend)]
+            try:
+                auto_devices = sorted(backend.auto_devices())
+            except Exception as error:
+                auto_devices, reasons = [], reasons + [f"auto_devices() raised {registry.describe_error(error)}"]
+            entry.update(state="unavailable" if reasons else "available", available=not reasons,
+                         joins_auto=_select.joins_auto(backend), auto_devices=auto_devices,
+                         fallback=name == _select.FALLBACK, reasons=reasons, capabilities=_capabilities(backend))
         backends[name] = entry
-    selection = {}
-    for device_type in visible_devices():
-        call = probe_call(device_type)
-        try:
-            chosen = _select.decide("auto", call).name
-            selection[device_type] = {"auto": chosen, "call": _select.describe(call)}
-        except Exception as error:  # report, don't crash: info is a diagnostic tool
-            selection[device_type] = {"auto": None, "error": str(error)}
+    problems = [f"ignored entry point: {why}" for why in registry.shadowed().values()]
+    problems += [f"backend {name!r} failed to load: {why}" for name, why in failures.items()]
+    env_request = os.environ.get(_select.ENV_VAR)
+    request = _select.current_request()
+    devices = visible_devices()
     return {
-        "rope_ops": __import__("rope_ops").__version__,
-        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-        "machine": platform.machine(),
-        "environment": {k: v for k, v in os.environ.items() if k.startswith("ROPE_OPS") or k == "TRITON_INTERPRET"},
-        "request": _select.current_request(),
+        "versions": {"rope_ops": rope_ops.__version__, "torch": torch.__version__, "cuda": torch.version.cuda,
+                     "triton": _version("triton"), "python": platform.python_version(),
+                     "machine": platform.machine()},
+        "devices": devices,
+        "request": {"value": request, "from": _select.ENV_VAR if env_request else "default",
+                    "forced": request.strip() != "auto"},
+        "selection": {d: _selection(request, d) for d in devices},
+        "auto_selection": {d: _selection("auto", d) for d in devices},
         "backends": backends,
-        "auto_selection": selection,
+        "problems": problems,
+        "environment": {k: v for k, v in os.environ.items() if k.startswith("ROPE_OPS") or k == "TRITON_INTERPRET"},
     }
 
 
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _summary(caps: dict) -> str:
+    if "error" in caps:
+        return caps["error"]
+    dtypes = ", ".join(_DTYPE_SHORT.get(d, d) for d in caps.get("dtypes", []))
+    layouts = caps.get("layouts", [])
+    layouts = "all layouts" if set(layouts) >= {"bshd", "sbhd", "bhsd", "thd"} else "layouts " + ", ".join(layouts)
+    low, high = caps.get("head_dim", [None, None])
+    head = f"head_dim {low}..{high}" if high is not None and high < (1 << 30) else f"head_dim >= {low}"
+    flags = [label for key, label in (("backward", "backward"), ("inplace", "in place"),
+                                      ("caller_tables", "caller cos/sin tables")) if caps.get(key)]
+    extras = [f"{k} {v}" for k, v in caps.items()
+              if k not in ("priority", "devices", "auto_devices", "dtypes", "layouts", "styles", "head_dim",
+                           "backward", "inplace", "caller_tables") and isinstance(v, (str, int, float, bool))]
+    parts = [f"devices {', '.join(caps.get('devices', []))}", dtypes, layouts,
+             "styles " + ", ".join(caps.get("styles", [])), head, *flags, *extras]
+    return "; ".join(p for p in parts if p)
+
+
+def _request_lines(report: dict) -> list[str]:
+    request = report["request"]
+    if not request["forced"]:
+        return ["Backend request: auto (ROPE_OPS_BACKEND not set): the best available backend for the "
+                "tensors' device, the torch backend as the last resort."]
+    value = request["value"]
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    where = f"{request['from']}={value}" if request["from"] != "default" else f"request {value!r}"
+    if len(names) == 1:
+        return [f"Backend request: {where} forces backend {names[0]!r} for every call: no fallback; a call "
+                "it cannot run raises BackendError."]
+    return [f"Backend request: {where}: the first of {names} that can run each call; BackendError when none can."]
+
+
 def render(report: dict) -> str:
-    lines = [f"rope_ops {report['rope_ops']}  torch {report['torch']} (CUDA {report['cuda']})  "
-             f"python {report['python']} {report['machine']}",
-             f"request: {report['request']!r}  environment: {report['environment'] or '{}'}", "", "backends:"]
-    for name, entry in report["backends"].items():
-        state = "available" if entry["available"] else "unavailable"
-        lines.append(f"  {name:8s} {state}")
-        for reason in entry["reasons"]:
-            lines.append(f"           - {reason}")
-        caps = entry.get("capabilities")
-        if caps:
-            summary = ", ".join(f"{k}={v}" for k, v in caps.items() if k not in ("tiers", "build"))
-            lines.append(f"           {summary}")
-            for key in ("tiers", "build"):
-                if key in caps:
-                    lines.append(f"           {key}: {caps[key]}")
-    lines += ["", "automatic selection (for a typical call on each visible device):"]
-    for device, entry in report["auto_selection"].items():
-        if entry.get("auto"):
-            lines.append(f"  {device:5s} -> {entry['auto']}")
+    v = report["versions"]
+    lines = [f"rope_ops {v['rope_ops']}  torch {v['torch']} ({'CUDA ' + v['cuda'] if v['cuda'] else 'no CUDA'})"
+             f"{'  triton ' + v['triton'] if v['triton'] else ''}  Python {v['python']}  {v['machine']}",
+             f"Devices visible to torch: {', '.join(report['devices'])}", ""]
+    lines += _request_lines(report)
+    what = "A typical call (Llama-like prefill: bshd, 32 q / 8 k heads, head_dim 128, bf16; float32 on the cpu)"
+    lines.append(f"{what} gets:")
+    for device, got in report["selection"].items():
+        if got["backend"]:
+            lines.append(f"  {device:5s} -> {got['backend']}")
         else:
-            lines.append(f"  {device:5s} -> none: {entry['error']}")
+            lines.append(f"  {device:5s} -> error, as a real call would raise:")
+            lines += [f"           {line}" for line in got["error"].splitlines()]
+        if report["request"]["forced"]:
+            auto = report["auto_selection"][device]
+            lines.append(f"           (automatic selection would pick: {auto['backend'] or 'none'})")
+    lines += ["", "Backends (rope_ops' own join automatic selection; a third-party backend joins only if it "
+                  "sets joins_auto = True):"]
+    for name, entry in report["backends"].items():
+        origin = "built-in" if entry["builtin"] else f"third-party ({entry.get('distribution') or 'unknown distribution'})"
+        if entry["state"] == "failed to load":
+            auto = ""
+        elif entry["joins_auto"]:
+            devices = ", ".join(entry.get("auto_devices", [])) or "no device"
+            auto = f", joins automatic selection on {devices}" + (" (the fallback)" if entry.get("fallback") else "")
+        else:
+            auto = ", does not join automatic selection: use it by name (ROPE_OPS_BACKEND, backend=)"
+        priority = entry.get("capabilities", {}).get("priority")
+        lines.append(f"  {name:9s} {entry['state']:12s} {origin}{auto}"
+                     + (f"; priority {priority}" if priority is not None else ""))
+        for reason in entry["reasons"]:
+            lines.append(f"            - {reason}")
+        if "capabilities" in entry:
+            lines.append(f"            {_summary(entry['capabilities'])}")
+    lines += ["", "Plugin problems:"]
+    lines += [f"  - {p}" for p in report["problems"]] or ["  none"]
+    if report["environment"]:
+        lines += ["", "Environment: " + ", ".join(f"{k}={v}" for k, v in sorted(report["environment"].items()))]
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
+def main(json_output: bool = False) -> int:
     report = collect()
-    print(json.dumps(report, indent=2, default=str) if "--json" in argv else render(report))
+    print(json.dumps(report, indent=2, default=str) if json_output else render(report))
     return 0

@@ -30,6 +30,8 @@ from rope_ops import registry
 from .._reference import rope_reference
 from .cases import Case, Inputs, make_inputs, standard_cases
 from .checks import assert_bitwise_equal, assert_rope_close
+from .suite_compile import CompileTests
+from .suite_training import TrainingTests
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _CASES = standard_cases()
@@ -50,7 +52,7 @@ def _dtype_id(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-class RopeConformance:
+class RopeConformance(TrainingTests, CompileTests):
     """Subclass and set ``backend`` (or pass --rope-backend / ROPE_OPS_TEST_BACKEND)."""
 
     backend: str | None = None
@@ -291,56 +293,6 @@ class RopeConformance:
             assert_bitwise_equal(q, q_before, "q after a bad call")
         if k_before is not None:
             assert_bitwise_equal(k, k_before, "k after a bad call")
-
-    # -- torch.compile -----------------------------------------------------------------------
-
-    def test_compile_fullgraph(self, backend_name, backend_obj, device):
-        if device.type not in ("cpu", "cuda"):
-            pytest.skip(f"torch.compile is not exercised on {device.type}")
-        rope = rope_ops.RotaryEmbedding(64, max_position=32)
-
-        def step(q, k, pos):
-            q_out, k_out = rope_ops.apply(q, k, pos, rope=rope, backend=backend_name)
-            return (q_out * 2).sum() + k_out.sum()
-
-        compiled = torch.compile(step, fullgraph=True, dynamic=False)
-        gen = torch.Generator().manual_seed(6)
-        for trial in range(2):
-            q = torch.randn(2, 8, 4, 64, generator=gen).to(device).requires_grad_(True)
-            k = torch.randn(2, 8, 2, 64, generator=gen).to(device).requires_grad_(True)
-            pos = torch.randint(0, 100, (2, 8), generator=gen).to(device)
-            with torch._dynamo.config.patch(error_on_recompile=trial == 1), warnings.catch_warnings():
-                # torch deprecates custom ops whose returns alias inputs or each other (an error
-                # in future torch): fail on the warning now.
-                warnings.filterwarnings("error", message=r".*may not alias any inputs")
-                loss = compiled(q, k, pos)
-            loss.backward()
-            grads = q.grad.clone(), k.grad.clone()
-            q.grad = k.grad = None
-            eager = step(q, k, pos)
-            eager.backward()
-            torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-4)
-            torch.testing.assert_close(grads[0], q.grad)
-            torch.testing.assert_close(grads[1], k.grad)
-        torch._dynamo.reset()
-
-    def test_op_outputs_have_their_own_storage(self, backend_name, backend_obj, device):
-        """torch.ops.rope_ops.rope (what traced code calls) returns q_out and k_out that share
-        no storage with each other or the inputs, even where the backend's eager path pairs
-        small outputs in one allocation."""
-        rope = rope_ops.RotaryEmbedding(64, max_position=32)
-        dtype = next(d for d in (torch.bfloat16, torch.float32, torch.float64) if d in backend_obj.dtypes)
-        q = torch.randn(2, 8, 4, 64, device=device, dtype=dtype)
-        k = torch.randn(2, 8, 2, 64, device=device, dtype=dtype)
-        pos = torch.randint(0, 32, (2, 8), device=device)
-        cos, sin, turns, factor = rope.tables(q.device)
-        q_out, k_out = torch.ops.rope_ops.rope(q, k, pos, 0, cos, sin, turns, factor, "bshd", 64,
-                                               False, False, False, backend_name)
-        storages = [t.untyped_storage().data_ptr() for t in (q, k, q_out, k_out)]
-        assert len(set(storages)) == 4, storages
-        expected_q, expected_k = rope_ops.apply(q, k, pos, rope=rope, backend=backend_name)
-        assert_bitwise_equal(q_out, expected_q, "q_out of the op")
-        assert_bitwise_equal(k_out, expected_k, "k_out of the op")
 
     # -- repeated calls --------------------------------------------------------------------
 
