@@ -1,0 +1,205 @@
+"""The CPU backend: C++ kernels in cpu_kernels/, one pass over q and k.
+
+The kernels run threads over tokens (at::parallel_for), rotate in float32 and round to the
+storage type once; each instruction set has its kernel (AVX-512 and AVX2 on x86-64, chosen at
+run time from CPUID; a portable one, plain loops the compiler vectorises, everywhere else), all
+in one extension built for the baseline target, so one build serves every CPU of an
+architecture.
+
+Importing this module builds nothing. The extension is compiled on first use (the first
+``availability()``, which automatic selection asks on the first CPU call) by
+``rope_ops_backends._build`` into its private cache, or ahead of time with::
+
+    python -m rope_ops_backends.cpu_backend build
+
+Without a C++ compiler or ninja, or when the build fails, the backend is unavailable with the
+reason and the torch backend serves CPU calls. ``ROPE_OPS_CPU_ISA`` (generic, avx2, avx512)
+forces one instruction set, for tests and benchmarks; ``use_isa`` does the same in a block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from rope_ops.backend import Backend, KernelArgs, RopeCall
+
+EXT_NAME = "rope_ops_cpu_ext"
+SOURCES = ("rope_cpu_binding.cpp", "rope_cpu_generic.cpp", "rope_cpu_avx2.cpp",
+           "rope_cpu_avx512.cpp")
+HEADERS = ("rope_cpu.h", "rope_cpu_kernel.h")
+ISA_ENV = "ROPE_OPS_CPU_ISA"
+PREBUILD_COMMAND = "python -m rope_ops_backends.cpu_backend build"
+# The kernels keep rows computed on the fly on the stack: rotary_dim up to this (kMaxHalf in
+# rope_cpu_binding.cpp, twice).
+MAX_ROTARY_DIM = 8192
+
+_LAYOUT_CODES = {"bshd": 0, "sbhd": 1, "bhsd": 2, "thd": 3}
+
+_lock = threading.Lock()
+_state: dict = {"module": None, "reasons": None}  # one per process
+
+
+def source_files() -> tuple[list[Path], list[Path]]:
+    from .._paths import source_dir
+
+    d = source_dir("cpu_kernels")
+    return [d / name for name in SOURCES], [d / name for name in HEADERS]
+
+
+def _uses_openmp() -> bool:
+    """Whether torch's threads are OpenMP's: then at::parallel_for is OpenMP code inlined into
+    the extension, which must be compiled with -fopenmp to run in parallel."""
+    return sys.platform.startswith("linux") and "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+def compile_flags() -> tuple[list[str], list[str]]:
+    """(compiler flags, linker flags). No -march: the extension is built for the baseline target
+    and picks its instruction set at run time. No implicit FMA contraction: where the kernels fuse
+    a multiply-add they say so."""
+    cflags = ["-O3", "-ffp-contract=off"]
+    ldflags = []
+    if _uses_openmp():
+        cflags.append("-fopenmp")
+        ldflags.append("-fopenmp")
+    return cflags, ldflags
+
+
+def _tail(text: str, n: int = 1500) -> str:
+    text = text.strip()
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+def toolchain_reasons() -> list[str]:
+    """Why the extension cannot be compiled here (no compiler, no ninja)."""
+    try:
+        from torch.utils import cpp_extension
+    except Exception as e:  # a broken torch install
+        return [f"torch.utils.cpp_extension unusable: {type(e).__name__}: {e}"]
+    reasons = []
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        reasons.append(f"no C++ compiler ({compiler!r} not found; set CXX); cannot build the CPU "
+                       "extension")
+    if not cpp_extension.is_ninja_available():
+        reasons.append("ninja not found (pip install ninja); cannot build the CPU extension")
+    return reasons
+
+
+def build(*, verbose: bool = False) -> list[str]:
+    """Build (or load from the cache) the extension into this process. Returns the reasons it
+    failed, [] on success."""
+    if _state["module"] is not None:
+        return []
+    reasons = toolchain_reasons()
+    if reasons:
+        return reasons
+    from .._build import build_extension
+
+    sources, headers = source_files()
+    cflags, ldflags = compile_flags()
+    try:
+        module = build_extension(
+            EXT_NAME, sources, headers=headers, extra_cflags=cflags, extra_ldflags=ldflags,
+            key_extra=[platform.machine()], verbose=verbose,
+            message=f"rope_ops: compiling the CPU extension (first use, about a minute; "
+                    f"prebuild with `{PREBUILD_COMMAND}`)...")
+    except Exception as e:  # compiler errors, cache problems: the backend is unavailable
+        return [f"building the CPU extension failed: {type(e).__name__}: {_tail(str(e))}"]
+    requested = os.environ.get(ISA_ENV)
+    if requested:
+        try:
+            module.set_isa(requested)
+        except RuntimeError as e:
+            return [f"{ISA_ENV}={requested!r}: {e}"]
+    _state["module"] = module
+    return []
+
+
+def _module():
+    module = _state["module"]
+    if module is None:
+        reasons = CpuBackend().availability()
+        module = _state["module"]
+        if module is None:
+            raise RuntimeError("rope_ops cpu backend unavailable: " + "; ".join(reasons))
+    return module
+
+
+def isa() -> str:
+    """The instruction set the kernels run with: 'generic', 'avx2' or 'avx512'."""
+    return _module().isa()
+
+
+def available_isas() -> list[str]:
+    """The instruction sets this CPU can run, best last."""
+    return list(_module().available_isas())
+
+
+@contextlib.contextmanager
+def use_isa(name: str):
+    """Run the kernels with instruction set ``name`` within the block (tests, benchmarks);
+    RuntimeError if this CPU lacks it. Process-wide, not per thread."""
+    module = _module()
+    previous = module.set_isa(name)
+    try:
+        yield
+    finally:
+        module.set_isa(previous)
+
+
+_is_compiling = torch.compiler.is_compiling
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    priority = 10  # above the torch fallback
+    allocates_outputs = True  # out of place, run() allocates q_out / k_out in C++ when given None
+    device_types = frozenset({"cpu"})
+    dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+    def availability(self) -> list[str]:
+        reasons = _state["reasons"]
+        if reasons is None:
+            with _lock:
+                reasons = _state["reasons"]
+                if reasons is None:
+                    try:
+                        reasons = build()
+                    except Exception as e:  # never raise from availability
+                        reasons = [f"building the CPU extension failed: {type(e).__name__}: "
+                                   f"{_tail(str(e))}"]
+                    _state["reasons"] = reasons
+        return list(reasons)
+
+    def supports(self, call: RopeCall) -> list[str]:
+        reasons = super().supports(call)
+        if call.rotary_dim > MAX_ROTARY_DIM:
+            reasons.append(f"rotary_dim {call.rotary_dim} above {MAX_ROTARY_DIM}")
+        return reasons
+
+    def run(self, args: KernelArgs):
+        """Rotate args.q / args.k into args.q_out / args.k_out and return None; or, out of place
+        with args.q_out None, allocate the outputs and return (q_out, k_out)."""
+        module = _state["module"] or _module()
+        return module.rope(args.q, args.k, args.q_out, args.k_out, args.pos, args.pos_offset,
+                           args.cos, args.sin, args.freq_turns, args.attention_factor,
+                           _LAYOUT_CODES[args.layout], args.rotary_dim, args.interleaved,
+                           args.inverse, args.inplace)
+
+    def bind(self, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved, inverse):
+        """The C++ BoundRope (with a C++ guard): rope_ops.apply's cached plans call it with
+        (q, k, pos, pos_offset)."""
+        module = _state["module"]
+        if module is None or _is_compiling():
+            return None
+        return module.BoundRope(cos, sin, freq_turns, float(attention_factor),
+                                _LAYOUT_CODES[layout], int(rotary_dim), bool(interleaved),
+                                bool(inverse))

@@ -1,0 +1,121 @@
+// The AVX2 kernel (with FMA and F16C): 8 float lanes. Compiled for that target by a pragma, so
+// the extension builds for the baseline and the binding runs this only where the CPU has the
+// features (rope_cpu_binding.cpp checks CPUID and the OS's saved register state).
+#include <cstdint>
+
+#include "rope_cpu.h"
+
+#if ROPE_CPU_X86
+#include <immintrin.h>
+
+// Everything below, and nothing above (no header of shared inline code), is built for AVX2.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+#define ROPE_CPU_ISA_NS rope_cpu_avx2
+#include "rope_cpu_kernel.h"
+
+namespace rope_cpu_avx2 {
+namespace {
+
+struct Avx2Simd {
+  static constexpr int W = 8;
+  using F = __m256;
+
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F load(const RopeBf16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static F load(const RopeF16* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
+  static void store(RopeBf16* p, F a) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(a));
+  }
+  static void store(RopeF16* p, F a) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  // Round to nearest even in integers; NaN lanes keep their top bits, made quiet.
+  static __m128i to_bf16(F a) {
+    const __m256i bits = _mm256_castps_si256(a);
+    const __m256i high = _mm256_srli_epi32(bits, 16);
+    const __m256i lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i quiet_nan = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
+    const __m256 is_nan = _mm256_cmp_ps(a, a, _CMP_UNORD_Q);
+    const __m256i r = _mm256_castps_si256(_mm256_blendv_ps(
+        _mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quiet_nan), is_nan));
+    // every lane is <= 0xffff: the unsigned saturation of the pack is exact
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  }
+  // Partial vectors through a small buffer: never reads or writes past element n.
+  template <class T>
+  static F load_n(const T* p, int n) {
+    T buf[W] = {};
+    __builtin_memcpy(buf, p, n * sizeof(T));
+    return load(buf);
+  }
+  template <class T>
+  static void store_n(T* p, F a, int n) {
+    T buf[W];
+    store(buf, a);
+    __builtin_memcpy(p, buf, n * sizeof(T));
+  }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fmsub(F a, F b, F c) { return _mm256_fmsub_ps(a, b, c); }
+  static F dup_pairs(const float* c) {
+    const __m128 x = _mm_loadu_ps(c);
+    return _mm256_set_m128(_mm_unpackhi_ps(x, x), _mm_unpacklo_ps(x, x));
+  }
+  static F dup_pairs_n(const float* c, int m) {
+    float buf[W / 2] = {};
+    __builtin_memcpy(buf, c, m * sizeof(float));
+    return dup_pairs(buf);
+  }
+  static F swap_pairs(F a) { return _mm256_permute_ps(a, 0xb1); }
+
+  static float to_float(float x) { return x; }
+  static float to_float(RopeBf16 x) { return bf16_to_float(x); }
+  static float to_float(RopeF16 x) { return _cvtsh_ss(x.bits); }
+  template <class T>
+  static T from_float(float x);
+  static float fmadd_s(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+  static float fmsub_s(float a, float b, float c) { return __builtin_fmaf(a, b, -c); }
+};
+
+template <>
+float Avx2Simd::from_float<float>(float x) {
+  return x;
+}
+template <>
+RopeBf16 Avx2Simd::from_float<RopeBf16>(float x) {
+  return float_to_bf16(x);
+}
+template <>
+RopeF16 Avx2Simd::from_float<RopeF16>(float x) {
+  return RopeF16{static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT))};
+}
+
+}  // namespace
+}  // namespace rope_cpu_avx2
+
+void rope_cpu_tokens_avx2(const RopeCpuParams& p, int64_t begin, int64_t end) {
+  rope_cpu_avx2::run_tokens<rope_cpu_avx2::Avx2Simd>(p, begin, end);
+}
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif  // ROPE_CPU_X86

@@ -1,0 +1,438 @@
+// Torch binding of the rope_ops CPU kernels (a Python module, no dispatcher op: rope_ops' own
+// ops call the backend's run() when traced).
+//
+// Each tensor of the caller's layout becomes a [B, S, H, D] strided view (layout codes as in
+// _LAYOUT_CODES of the Python backend: 0 bshd, 1 sbhd, 2 bhsd, 3 thd); the call is split over
+// threads by tokens (at::parallel_for) and each thread runs the kernel of the instruction set
+// chosen once per process: AVX-512 or AVX2 where CPUID and the OS's saved register state say
+// the CPU has them, the portable kernel otherwise (set_isa overrides, for tests).
+// rope_ops validated the call already; the checks here are cheap guards against misuse of the
+// module on its own (metadata only, never data).
+#include <ATen/EmptyTensor.h>
+#include <ATen/ExpandUtils.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/extension.h>
+
+#include <array>
+#include <atomic>
+#include <optional>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#endif
+
+#include "rope_cpu.h"
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Instruction sets.
+
+enum Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+constexpr const char* kIsaNames[] = {"generic", "avx2", "avx512"};
+using TokensFn = void (*)(const RopeCpuParams&, int64_t, int64_t);
+
+#if ROPE_CPU_X86
+// Whether the OS saves the register state of XCR0 bits `mask` (XGETBV; needs OSXSAVE).
+bool os_saves(uint64_t mask) {
+  uint32_t eax = 0, edx = 0;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return ((static_cast<uint64_t>(edx) << 32 | eax) & mask) == mask;
+}
+
+int detect_isa() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return kGeneric;
+  const bool osxsave = c & (1u << 27), avx = c & (1u << 28), fma = c & (1u << 12),
+             f16c = c & (1u << 29);
+  if (!(osxsave && avx && fma && f16c) || !os_saves(0x6)) return kGeneric;  // XMM, YMM state
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return kGeneric;
+  if (!(b & (1u << 5))) return kGeneric;  // AVX2
+  const bool avx512 = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) &&
+                      (b & (1u << 31));  // F, DQ, BW, VL
+  return avx512 && os_saves(0xe6) ? kAvx512 : kAvx2;  // + opmask, ZMM state
+}
+#else
+int detect_isa() { return kGeneric; }
+#endif
+
+const int kBestIsa = detect_isa();
+std::atomic<int> g_isa{kBestIsa};
+
+TokensFn kernel_for(int isa) {
+#if ROPE_CPU_X86
+  if (isa == kAvx512) return rope_cpu_tokens_avx512;
+  if (isa == kAvx2) return rope_cpu_tokens_avx2;
+#endif
+  return rope_cpu_tokens_generic;
+}
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> names;
+  for (int i = 0; i <= kBestIsa; ++i) names.emplace_back(kIsaNames[i]);
+  return names;
+}
+
+std::string isa() { return kIsaNames[g_isa.load()]; }
+
+// Use instruction set `name` from now on (tests, benchmarks); returns the previous one. Refuses
+// one this CPU lacks.
+std::string set_isa(const std::string& name) {
+  for (int i = 0; i <= kBestIsa; ++i) {
+    if (name == kIsaNames[i]) return kIsaNames[g_isa.exchange(i)];
+  }
+  TORCH_CHECK(false, "rope_ops_cpu: instruction set '", name, "' is not available on this CPU "
+              "(available: ", c10::Join(", ", available_isas()), ")");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensors to RopeCpuParams.
+
+// (batch, seq, head, dim) axes of each layout; -1: no batch axis (thd).
+constexpr int kLayoutAxes[4][4] = {{0, 1, 2, 3}, {1, 0, 2, 3}, {0, 2, 1, 3}, {-1, 0, 1, 2}};
+
+struct View4 {
+  int64_t size[4];
+  int64_t stride[4];
+};
+
+View4 view_bshd(const at::Tensor& t, int64_t layout, const char* name) {
+  const int* axes = kLayoutAxes[layout];
+  const int64_t rank = axes[0] < 0 ? 3 : 4;
+  TORCH_CHECK(t.dim() == rank, "rope_ops_cpu: ", name, " must have ", rank,
+              " dims for this layout, got ", t.dim());
+  View4 v{};
+  for (int i = 0; i < 4; ++i) {
+    if (axes[i] < 0) {
+      v.size[i] = 1;
+      v.stride[i] = 0;
+    } else {
+      v.size[i] = t.size(axes[i]);
+      v.stride[i] = t.stride(axes[i]);
+    }
+  }
+  return v;
+}
+
+int dtype_code(at::ScalarType st) {
+  switch (st) {
+    case at::kFloat:
+      return ROPE_CPU_F32;
+    case at::kHalf:
+      return ROPE_CPU_F16;
+    case at::kBFloat16:
+      return ROPE_CPU_BF16;
+    default:
+      TORCH_CHECK(false, "rope_ops_cpu: dtype ", st, " not supported (float32, float16, bfloat16)");
+  }
+  return -1;
+}
+
+void fill_tensor(RopeCpuTensor& dst, const at::Tensor& x, const at::Tensor& out, int64_t layout,
+                 const at::Tensor& q, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu(), "rope_ops_cpu: ", name,
+              " and its output must be CPU tensors");
+  TORCH_CHECK(x.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "rope_ops_cpu: ", name, " and its output must have q's dtype");
+  const View4 vx = view_bshd(x, layout, name);
+  const View4 vo = view_bshd(out, layout, name);
+  for (int i = 0; i < 4; ++i) {
+    TORCH_CHECK(vx.size[i] == vo.size[i], "rope_ops_cpu: the output of ", name,
+                " has a different shape from it");
+    dst.in_stride[i] = vx.stride[i];
+    dst.out_stride[i] = vo.stride[i];
+  }
+  dst.heads = vx.size[2];
+  dst.in = x.data_ptr();
+  dst.out = out.data_ptr();
+}
+
+// The kernels keep a block's rows computed on the fly on the stack: at most this many pairs.
+constexpr int64_t kMaxHalf = 4096;
+
+RopeCpuParams make_params(const at::Tensor& q, const at::Tensor* k, const at::Tensor& q_out,
+                          const at::Tensor* k_out, const at::Tensor* pos, int64_t pos_offset,
+                          const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor* freq_turns, double attention_factor, int64_t layout,
+                          int64_t rotary_dim, bool interleaved, bool inverse, bool inplace) {
+  TORCH_CHECK(layout >= 0 && layout <= 3, "rope_ops_cpu: layout code ", layout,
+              " not in 0..3 (bshd, sbhd, bhsd, thd)");
+  RopeCpuParams p;
+  p.dtype = dtype_code(q.scalar_type());
+  fill_tensor(p.q, q, q_out, layout, q, "q");
+  const View4 vq = view_bshd(q, layout, "q");
+  p.batch = vq.size[0];
+  p.seq = vq.size[1];
+  p.head_dim = vq.size[3];
+  if (k != nullptr) {
+    TORCH_CHECK(k_out != nullptr, "rope_ops_cpu: k given without k_out");
+    fill_tensor(p.k, *k, *k_out, layout, q, "k");
+    const View4 vk = view_bshd(*k, layout, "k");
+    TORCH_CHECK(vk.size[0] == p.batch && vk.size[1] == p.seq && vk.size[3] == p.head_dim,
+                "rope_ops_cpu: k must match q in batch, seq and head_dim");
+  }
+  TORCH_CHECK(rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= p.head_dim,
+              "rope_ops_cpu: rotary_dim must be even in (0, head_dim], got ", rotary_dim);
+  p.half = rotary_dim / 2;
+  TORCH_CHECK(p.half <= kMaxHalf, "rope_ops_cpu: rotary_dim ", rotary_dim, " above ", 2 * kMaxHalf);
+  p.interleaved = interleaved;
+  p.inverse = inverse;
+  p.copy_passthrough = !inplace && rotary_dim < p.head_dim;
+  p.contiguous_dim = p.q.in_stride[3] == 1 && p.q.out_stride[3] == 1 &&
+                     (k == nullptr || (p.k.in_stride[3] == 1 && p.k.out_stride[3] == 1));
+
+  if (pos != nullptr) {
+    const at::Tensor& t = *pos;
+    TORCH_CHECK(t.device().is_cpu(), "rope_ops_cpu: pos must be a CPU tensor");
+    TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong,
+                "rope_ops_cpu: pos must be int32 or int64");
+    p.pos = t.data_ptr();
+    p.pos_kind = t.scalar_type() == at::kInt ? ROPE_CPU_POS_I32 : ROPE_CPU_POS_I64;
+    if (t.dim() == 1) {
+      TORCH_CHECK(t.size(0) == p.seq, "rope_ops_cpu: pos has ", t.size(0), " entries, expected ",
+                  p.seq);
+      p.pos_stride_b = 0;
+      p.pos_stride_s = t.stride(0);
+    } else {
+      TORCH_CHECK(t.dim() == 2 && t.size(0) == p.batch && t.size(1) == p.seq,
+                  "rope_ops_cpu: pos must be [S] or [B, S]");
+      p.pos_stride_b = t.stride(0);
+      p.pos_stride_s = t.stride(1);
+    }
+  } else {
+    p.pos_kind = ROPE_CPU_POS_OFFSET;
+    p.pos_offset = pos_offset;
+  }
+
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+                  sin.sizes() == cos.sizes() && cos.size(1) == p.half && cos.device().is_cpu() &&
+                  sin.device().is_cpu(),
+              "rope_ops_cpu: cos/sin must be contiguous float32 CPU tensors [P, rotary_dim/2]");
+  p.cos = cos.data_ptr<float>();
+  p.sin = sin.data_ptr<float>();
+  p.table_rows = cos.size(0);
+  if (freq_turns != nullptr) {
+    const at::Tensor& f = *freq_turns;
+    TORCH_CHECK(f.scalar_type() == at::kLong && f.is_contiguous() && f.numel() == p.half &&
+                    f.device().is_cpu(),
+                "rope_ops_cpu: freq_turns must be a contiguous int64 CPU tensor [rotary_dim/2]");
+    p.freq_turns = f.data_ptr<int64_t>();
+  }
+  p.attention_factor = attention_factor;
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Running.
+
+// Elements of q and k per parallel chunk at least: below this, waking a thread costs more than
+// the work it would take.
+constexpr int64_t kGrainElements = 1 << 15;
+// Calls this large release the GIL while they run.
+constexpr int64_t kReleaseGilElements = 1 << 15;
+
+void run(const RopeCpuParams& p) {
+  const int64_t tokens = p.batch * p.seq;
+  if (tokens == 0 || p.head_dim == 0) return;
+  const int64_t per_token = (p.q.heads + p.k.heads) * p.head_dim;
+  if (per_token == 0) return;
+  const TokensFn kernel = kernel_for(g_isa.load(std::memory_order_relaxed));
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / per_token);
+  auto body = [&]() {
+    at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) { kernel(p, begin, end); });
+  };
+  if (tokens * per_token >= kReleaseGilElements && PyGILState_Check()) {
+    pybind11::gil_scoped_release no_gil;
+    body();
+  } else {
+    body();
+  }
+}
+
+const at::Tensor* opt_ptr(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? &*t : nullptr;
+}
+
+// An uninitialised tensor with the strides at::empty_like(t) gives: t's own when t is
+// non-overlapping and dense, else dense strides in t's dimension order. Straight from the CPU
+// allocator (the dispatcher round trip of empty_like costs about a microsecond).
+at::Tensor empty_like_cpu(const at::Tensor& t) {
+  if (t.is_non_overlapping_and_dense()) {
+    return at::Tensor(at::detail::empty_strided_cpu(t.sizes(), t.strides(), t.scalar_type()));
+  }
+  return at::Tensor(at::detail::empty_strided_cpu(
+      t.sizes(), at::infer_dense_strides(t.sizes(), t.strides()), t.scalar_type()));
+}
+
+// The module's entry: writes into q_out / k_out and returns None; or, out of place with q_out
+// None, allocates the outputs (like empty_like) and returns (q_out, k_out).
+py::object rope(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                const std::optional<at::Tensor>& q_out, const std::optional<at::Tensor>& k_out,
+                const std::optional<at::Tensor>& pos, int64_t pos_offset, const at::Tensor& cos,
+                const at::Tensor& sin, const std::optional<at::Tensor>& freq_turns,
+                double attention_factor, int64_t layout, int64_t rotary_dim, bool interleaved,
+                bool inverse, bool inplace) {
+  const at::Tensor* kp = opt_ptr(k);
+  if (q_out.has_value() && q_out->defined()) {
+    run(make_params(q, kp, *q_out, opt_ptr(k_out), opt_ptr(pos), pos_offset, cos, sin,
+                    opt_ptr(freq_turns), attention_factor, layout, rotary_dim, interleaved,
+                    inverse, inplace));
+    return py::none();
+  }
+  TORCH_CHECK(!inplace, "rope_ops_cpu: in place needs q_out (q itself)");
+  TORCH_CHECK(q.device().is_cpu(), "rope_ops_cpu: q must be a CPU tensor");
+  at::Tensor qo = empty_like_cpu(q);
+  at::Tensor ko;
+  if (kp != nullptr) ko = empty_like_cpu(*kp);
+  run(make_params(q, kp, qo, kp != nullptr ? &ko : nullptr, opt_ptr(pos), pos_offset, cos, sin,
+                  opt_ptr(freq_turns), attention_factor, layout, rotary_dim, interleaved, inverse,
+                  false));
+  if (kp == nullptr) return py::make_tuple(qo, py::none());
+  return py::make_tuple(qo, ko);
+}
+
+// rope() for repeated out-of-place calls of one kind (rope_ops.apply's cached plans): tables and
+// constants bound once, a call converts 4 arguments instead of 15.
+struct BoundRope {
+  at::Tensor cos, sin;
+  std::optional<at::Tensor> freq_turns;
+  double attention_factor;
+  int64_t layout, rotary_dim;
+  bool interleaved, inverse;
+
+  py::object operator()(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                        const std::optional<at::Tensor>& pos, int64_t pos_offset) const {
+    return rope(q, k, std::nullopt, std::nullopt, pos, pos_offset, cos, sin, freq_turns,
+                attention_factor, layout, rotary_dim, interleaved, inverse, false);
+  }
+};
+
+// The metadata of one tensor that rope_ops.apply's plan key reads.
+struct TensorMeta {
+  int64_t dim = 0;
+  std::array<int64_t, 4> sizes{}, strides{};
+  at::ScalarType dtype = at::kFloat;
+  c10::Device device{c10::kCPU};
+  bool with_strides = true;
+
+  TensorMeta() = default;
+  TensorMeta(const at::Tensor& t, bool with_strides_)
+      : dim(t.dim()), dtype(t.scalar_type()), device(t.device()), with_strides(with_strides_) {
+    TORCH_CHECK(dim <= 4, "rope_ops_cpu: GuardedRope takes tensors of at most 4 dims");
+    for (int64_t i = 0; i < dim; ++i) {
+      sizes[i] = t.size(i);
+      strides[i] = t.stride(i);
+    }
+  }
+
+  bool matches(const at::Tensor& t) const {
+    if (t.dim() != dim || t.scalar_type() != dtype || t.device() != device) return false;
+    for (int64_t i = 0; i < dim; ++i) {
+      if (t.size(i) != sizes[i] || (with_strides && t.stride(i) != strides[i])) return false;
+    }
+    return true;
+  }
+};
+
+// A plain torch.Tensor (not a subclass, which never takes apply's fast path), or null.
+const at::Tensor* exact_tensor(py::handle obj) {
+  return Py_TYPE(obj.ptr()) == reinterpret_cast<PyTypeObject*>(THPVariableClass)
+             ? &THPVariable_Unpack(obj.ptr())
+             : nullptr;
+}
+
+// A BoundRope that runs only calls whose (q, k, pos) have the metadata of the call it was made
+// from (exact tensor types; q's and k's sizes, strides, dtype and device; pos's sizes, dtype and
+// device, or an int offset) that need no gradient, and returns None for any other: what
+// rope_ops.apply's plan key checks, without building the key.
+struct GuardedRope {
+  BoundRope bound;
+  TensorMeta q_meta, k_meta, pos_meta;
+  bool has_k, pos_is_int;
+
+  GuardedRope(BoundRope b, py::handle q, py::handle k, py::handle pos) : bound(std::move(b)) {
+    const at::Tensor* qt = exact_tensor(q);
+    const at::Tensor* kt = k.is_none() ? nullptr : exact_tensor(k);
+    TORCH_CHECK(qt != nullptr && (k.is_none() || kt != nullptr),
+                "rope_ops_cpu: GuardedRope needs plain tensors q and k");
+    q_meta = TensorMeta(*qt, true);
+    has_k = kt != nullptr;
+    if (has_k) k_meta = TensorMeta(*kt, true);
+    pos_is_int = PyLong_CheckExact(pos.ptr());
+    if (!pos_is_int) {
+      const at::Tensor* pt = exact_tensor(pos);
+      TORCH_CHECK(pt != nullptr, "rope_ops_cpu: GuardedRope needs pos as a tensor or an int");
+      pos_meta = TensorMeta(*pt, false);
+    }
+  }
+
+  py::object operator()(py::handle q, py::handle k, py::handle pos) const {
+    const at::Tensor* qt = exact_tensor(q);
+    if (qt == nullptr || !q_meta.matches(*qt)) return py::none();
+    const at::Tensor* kt = nullptr;
+    if (has_k) {
+      kt = exact_tensor(k);
+      if (kt == nullptr || !k_meta.matches(*kt)) return py::none();
+    } else if (!k.is_none()) {
+      return py::none();
+    }
+    if (at::GradMode::is_enabled() && (qt->requires_grad() || (kt && kt->requires_grad()))) {
+      return py::none();
+    }
+    const std::optional<at::Tensor> k_opt = kt ? std::optional<at::Tensor>(*kt) : std::nullopt;
+    if (pos_is_int) {
+      if (!PyLong_CheckExact(pos.ptr())) return py::none();  // bool is not an exact int
+      int overflow = 0;
+      const long long offset = PyLong_AsLongLongAndOverflow(pos.ptr(), &overflow);
+      // apply's own range (|offset| < 2^62), so that offset + token never overflows
+      if (overflow != 0 || offset <= -(1LL << 62) || offset >= (1LL << 62)) return py::none();
+      return bound(*qt, k_opt, std::nullopt, offset);
+    }
+    const at::Tensor* pt = exact_tensor(pos);
+    if (pt == nullptr || !pos_meta.matches(*pt)) return py::none();
+    return bound(*qt, k_opt, *pt, 0);
+  }
+};
+
+}  // namespace
+
+#ifndef TORCH_EXTENSION_NAME  // defined by torch.utils.cpp_extension
+#define TORCH_EXTENSION_NAME rope_ops_cpu_ext
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rope", &rope,
+        "rope(q, k, q_out, k_out, pos, pos_offset, cos, sin, freq_turns, attention_factor, "
+        "layout, rotary_dim, interleaved, inverse, inplace) -> None | (q_out, k_out)");
+  m.def("isa", &isa, "the instruction set the kernels run with now");
+  m.def("set_isa", &set_isa, "set_isa(name) -> previous name: run the kernels with instruction "
+        "set name (one of available_isas())");
+  m.def("available_isas", &available_isas, "instruction sets this CPU can run, best last");
+  py::class_<BoundRope>(m, "BoundRope")
+      .def(py::init([](at::Tensor cos, at::Tensor sin, std::optional<at::Tensor> freq_turns,
+                       double attention_factor, int64_t layout, int64_t rotary_dim,
+                       bool interleaved, bool inverse) {
+             return BoundRope{std::move(cos), std::move(sin), std::move(freq_turns),
+                              attention_factor, layout, rotary_dim, interleaved, inverse};
+           }),
+           "BoundRope(cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved, "
+           "inverse)")
+      .def("__call__", &BoundRope::operator(),
+           "(q, k, pos, pos_offset) -> (q_out, k_out): rope(...) out of place")
+      .def(
+          "guarded",
+          [](const BoundRope& b, py::handle q, py::handle k, py::handle pos) {
+            return GuardedRope(b, q, k, pos);
+          },
+          "guarded(q, k, pos) -> GuardedRope: this launcher for calls with the metadata of "
+          "(q, k, pos) only");
+  py::class_<GuardedRope>(m, "GuardedRope")
+      .def("__call__", &GuardedRope::operator(),
+           "(q, k, pos) -> (q_out, k_out), or None when the call's metadata differ from the "
+           "guarded call's or it needs a gradient");
+}
