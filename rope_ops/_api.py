@@ -19,7 +19,7 @@ from ._tables import CACHE, table_key
 from .backend import LAYOUTS, RopeCall
 from .embedding import (RotaryEmbedding, check_base, check_max_position, check_rotary_dim,
                         check_style, default_table_rows, resolve_base, rows_for)
-from .frequencies import SEQ_LEN_TYPES, check_seq_len, frequencies
+from .frequencies import SEQ_LEN_TYPES, check_seq_len, frequencies, rope_type_of
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _POS_DTYPES = (torch.int32, torch.int64)
@@ -207,6 +207,7 @@ def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
             rotary_dim = head_dim
         check_rotary_dim(rotary_dim, head_dim)
         check_base(base)
+        rope_type_of(scaling)
     if not isinstance(inplace := kw["inplace"], bool):
         raise RopeError(f"inplace: expected a bool, got {inplace!r}")
     device = q.device

@@ -48,12 +48,17 @@ def remember_guard(holder, options, guard) -> None:
     guards[options] = guard
 
 
-def clear() -> None:
-    """Forget every plan: functional ones now, modules' ones by the generation in their keys."""
-    global generation
-    generation += 1
+def forget_functional() -> None:
+    """Forget the plans of functional calls (they hold tables of the table cache)."""
     FUNCTIONAL._plans.clear()
     FUNCTIONAL._guards.clear()
 
 
-CACHE.on_evict.append(clear)
+def clear() -> None:
+    """Forget every plan: functional ones now, modules' ones by the generation in their keys."""
+    global generation
+    generation += 1
+    forget_functional()
+
+
+CACHE.on_evict.append(forget_functional)

@@ -1,5 +1,5 @@
 """The cos/sin tables rope_ops builds, per frequencies, row count and device: a cache bounded
-in bytes.
+in bytes (and in entries).
 
 A table is keyed by what its values depend on (the frequencies' content key, the row count and
 the device), never by a user object, so discarding a RotaryEmbedding or calling with a thousand
@@ -35,6 +35,9 @@ class Tables(NamedTuple):
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self[:3])
+
+
+MAX_ENTRIES = 512  # tables of on-the-fly frequencies are tiny: bound their number too
 
 
 def _budget_bytes() -> int:
@@ -85,11 +88,14 @@ class TableCache:
         evicted = False
         budget = self.budget
         for old in list(self._entries):
-            if self._bytes[device] <= budget:
+            if self._bytes[device] <= budget and len(self._entries) <= MAX_ENTRIES:
                 break
-            if old == key or str(self._entries[old].cos.device) != device:
+            if old == key:
                 continue
-            self._bytes[device] -= self._entries.pop(old).nbytes
+            old_device = str(self._entries[old].cos.device)
+            if old_device != device and len(self._entries) <= MAX_ENTRIES:
+                continue
+            self._bytes[old_device] -= self._entries.pop(old).nbytes
             evicted = True
         if evicted:
             for callback in self.on_evict:

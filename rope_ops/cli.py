@@ -21,7 +21,7 @@ def _names_block(title: str, cases, width: int = 96) -> str:
     lines = [f"{title}:"]
     for case in cases.values():
         lines.append(f"  {case.name:28s} {case.title}")
-        lines.append(textwrap.indent(textwrap.fill(case.describe(), width - 31), " " * 31))
+        lines.append(textwrap.indent(textwrap.fill(case.describe(), width - 31, break_on_hyphens=False), " " * 31))
     return "\n".join(lines)
 
 
@@ -44,7 +44,8 @@ def _bench_epilog() -> str:
 def _top_epilog() -> str:
     from .bench.cases import CPU_WORKLOADS, MATRIX, WORKLOADS
 
-    names = lambda cases: textwrap.fill(", ".join(cases), 92, initial_indent="  ", subsequent_indent="  ")  # noqa: E731
+    names = lambda cases: textwrap.fill(", ".join(cases), 92, initial_indent="  ", subsequent_indent="  ",  # noqa: E731
+                                        break_on_hyphens=False)
     return "\n".join([
         "bench workloads:", names(WORKLOADS), "CPU workloads:", names(CPU_WORKLOADS),
         "matrix cases:", names(MATRIX), "",
@@ -83,18 +84,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     sub = parser.add_subparsers(dest="command", metavar="{info,bench}")
     info = sub.add_parser(
         "info", help="report the backends on this machine", formatter_class=raw,
-        description="Every registered backend: whether it can run here and why not, whether it joins "
-                    "automatic selection, its capabilities; what a typical call gets on each visible "
-                    "device (under ROPE_OPS_BACKEND when set, or the error such a call would raise); "
-                    "plugin problems (entry points ignored, load failures).")
+        description=textwrap.fill(
+            "Every registered backend: whether it can run here and why not, whether it joins automatic "
+            "selection, its capabilities; what a typical call gets on each visible device (under "
+            "ROPE_OPS_BACKEND when set, or the error such a call would raise); plugin problems (entry "
+            "points ignored, load failures).", 92))
     info.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
 
     bench = sub.add_parser(
         "bench", help="benchmark backends and peers", formatter_class=raw, epilog=_bench_epilog(),
-        description="Time rope_ops' backends and peers on PERF.md's workloads (default) or the public "
-                    "matrix, each case against its floor measured in the same run, with every provider's "
-                    "outputs checked against the float64 reference. GPU: CUDA-graph time and host time "
-                    "per eager call. CPU: medians and spread of repeated loops, allocator warmed.")
+        description=textwrap.fill(
+            "Time rope_ops' backends and peers on PERF.md's workloads (default) or the public matrix, each "
+            "case against its floor measured in the same run, with every provider's outputs checked against "
+            "the float64 reference. GPU: CUDA-graph time and host time per eager call. CPU: medians and "
+            "spread of repeated loops, allocator warmed.", 92))
     bench.add_argument("--workloads", metavar="NAMES",
                        help="comma list of workload / case names (listed below); default: W1-W5 (with "
                             "W3 in place, W3i) on a GPU, the CPU workloads on a CPU")

@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 
 import torch
 
@@ -48,11 +49,18 @@ def probe_call(device_type: str, **changes) -> RopeCall:
     return call._replace(**changes)
 
 
-def readable(reason: str) -> str:
-    for raw, meaning in _READABLE:
-        if raw in reason:
-            return meaning
-    return reason
+def readable(text: str) -> str:
+    """``text`` with each line that carries a known raw library error replaced by its meaning
+    (keeping a leading "name: " label)."""
+    lines = []
+    for line in text.splitlines() or [text]:
+        for raw, meaning in _READABLE:
+            if raw in line:
+                label = re.match(r"^(\s*[\w.-]+: )", line)
+                line = (label.group(1) if label and raw not in label.group(1) else "") + meaning
+                break
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def _distributions() -> dict[str, tuple[str | None, str]]:
@@ -79,7 +87,7 @@ def _selection(request: str, device_type: str) -> dict:
     try:
         return {"backend": _select.decide(request, call).name}
     except BackendError as error:
-        return {"backend": None, "error": f"BackendError: {error}"}
+        return {"backend": None, "error": readable(f"BackendError: {error}")}
     except Exception as error:  # report, never crash: info is a diagnostic tool
         return {"backend": None, "error": f"{type(error).__name__}: {error}"}
 
@@ -145,7 +153,7 @@ def _summary(caps: dict) -> str:
     head = f"head_dim {low}..{high}" if high is not None and high < (1 << 30) else f"head_dim >= {low}"
     flags = [label for key, label in (("backward", "backward"), ("inplace", "in place"),
                                       ("caller_tables", "caller cos/sin tables")) if caps.get(key)]
-    extras = [f"{k} {v}" for k, v in caps.items()
+    extras = [f"{k}: {v}" for k, v in caps.items()
               if k not in ("priority", "devices", "auto_devices", "dtypes", "layouts", "styles", "head_dim",
                            "backward", "inplace", "caller_tables") and isinstance(v, (str, int, float, bool))]
     parts = [f"devices {', '.join(caps.get('devices', []))}", dtypes, layouts,
@@ -161,6 +169,10 @@ def _request_lines(report: dict) -> list[str]:
     value = request["value"]
     names = [n.strip() for n in value.split(",") if n.strip()]
     where = f"{request['from']}={value}" if request["from"] != "default" else f"request {value!r}"
+    unknown = [n for n in names if n != "auto" and n not in report["backends"]]
+    if unknown:
+        return [f"Backend request: {where} names backend(s) {unknown} that are not registered: every call "
+                "raises BackendError (registered: " + ", ".join(report["backends"]) + ")."]
     if len(names) == 1:
         return [f"Backend request: {where} forces backend {names[0]!r} for every call: no fallback; a call "
                 "it cannot run raises BackendError."]
@@ -191,7 +203,7 @@ def render(report: dict) -> str:
         if entry["state"] == "failed to load":
             auto = ""
         elif entry["joins_auto"]:
-            devices = ", ".join(entry.get("auto_devices", [])) or "no device"
+            devices = ", ".join(entry.get("auto_devices", [])).replace("*", "every device") or "no device"
             auto = f", joins automatic selection on {devices}" + (" (the fallback)" if entry.get("fallback") else "")
         else:
             auto = ", does not join automatic selection: use it by name (ROPE_OPS_BACKEND, backend=)"

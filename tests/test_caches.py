@@ -1,0 +1,97 @@
+"""Memory held by rope_ops is bounded in bytes, keyed only by what changes results, and never
+keeps what a caller discarded alive."""
+
+import gc
+import weakref
+
+import torch
+
+import rope_ops
+from rope_ops import _plans
+from rope_ops._tables import CACHE, MAX_ENTRIES, TableCache
+from rope_ops.frequencies import Frequencies, compute_inv_freq
+
+DYNAMIC = {"rope_type": "dynamic", "factor": 2.0}
+
+
+def test_distinct_seq_len_under_default_type_builds_nothing_new():
+    q = torch.randn(1, 4, 2, 64)
+    rope_ops.apply(q, None, 0, base=4321.0)
+    entries, held = len(CACHE), CACHE.bytes_held()
+    for n in range(1, 500):
+        rope_ops.apply(q, None, 0, base=4321.0, seq_len=n, max_position=8192)
+    assert len(CACHE) <= entries + 1  # max_position=8192 is one more table, shared by all n
+    assert CACHE.bytes_held() <= held + 8192 * 64 * 4 + 4096
+
+
+def test_dynamic_ntk_per_decode_step_builds_no_table_per_step():
+    """Each stretched length has its own frequencies; they get no table (rows computed on the
+    fly), so a decode loop's memory stays flat, and the result is exact for every step."""
+    rope = rope_ops.RotaryEmbedding(64, scaling=DYNAMIC, max_position=128)
+    q = torch.randn(1, 1, 2, 64, dtype=torch.float64)
+    held = CACHE.bytes_held()
+    for n in range(129, 129 + 300):
+        pos = torch.tensor([n - 1])
+        out, _ = rope_ops.apply(q, None, pos, rope=rope, seq_len=n)
+    grown = CACHE.bytes_held() - held
+    assert grown < 300 * 64 * 8 + 4096, grown  # at most the per-length frequency constants
+    assert len(CACHE) <= MAX_ENTRIES
+    built = rope_ops.RotaryEmbedding(64, scaling=DYNAMIC, max_position=128, seq_len=n)
+    from rope_ops._reference import rope_reference
+
+    ref = rope_reference(q, pos, layout="bshd", rotary_dim=64, style="neox", inv_freq=built.inv_freq)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+
+
+def test_with_seq_len_per_step_keeps_nothing():
+    rope = rope_ops.RotaryEmbedding(64, scaling=DYNAMIC, max_position=128)
+    q = torch.randn(1, 1, 2, 64)
+    refs = []
+    for n in range(200, 260):
+        step = rope.with_seq_len(n)
+        step(q, None, torch.tensor([n - 1]))
+        refs.append(weakref.ref(step))
+        del step
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_a_new_rotary_embedding_per_call_is_freed():
+    q = torch.randn(2, 3, 4, 32)
+    refs = []
+    for i in range(20):
+        rope = rope_ops.RotaryEmbedding(32, base=1000.0 + i, max_position=256)
+        rope_ops.apply(q, None, 0, rope=rope)
+        rope_ops.apply(q, None, 0, rope=rope)  # the plan path too
+        refs.append((weakref.ref(rope), weakref.ref(rope.cos_table)))
+        del rope
+    gc.collect()
+    assert all(a() is None and b() is None for a, b in refs)
+    assert not any(isinstance(k, rope_ops.RotaryEmbedding) for k in _plans.FUNCTIONAL._plans)
+
+
+def test_table_cache_is_bounded_in_bytes_and_drops_least_recently_used():
+    cache = TableCache(budget=3 * 1024 * 16 * 4 * 2 + 10_000)
+    freqs = [Frequencies(*compute_inv_freq(32, 1000.0 + i)) for i in range(6)]
+    dropped = []
+    cache.on_evict.append(lambda: dropped.append(1))
+    first = cache.get(freqs[0], 1024, torch.device("cpu"))
+    for f in freqs[1:]:
+        cache.get(f, 1024, torch.device("cpu"))
+        cache.get(freqs[0], 1024, torch.device("cpu"))  # keep the first one recently used
+        assert cache.bytes_held() <= cache.budget
+    assert len(cache) == 3 and dropped
+    assert cache.get(freqs[0], 1024, torch.device("cpu")) is first
+
+
+def test_functional_plans_forget_dropped_tables():
+    """Plans hold tables; when the cache drops one, plans are forgotten, so they cannot keep
+    a dropped table alive."""
+    q = torch.randn(1, 3, 2, 32)
+    rope_ops.apply(q, None, 0, base=999.0)
+    assert _plans.FUNCTIONAL._plans
+    table = weakref.ref(next(iter(_plans.FUNCTIONAL._plans.values()))[0])
+    CACHE.clear()
+    assert not _plans.FUNCTIONAL._plans
+    gc.collect()
+    assert table() is None
