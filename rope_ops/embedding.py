@@ -149,10 +149,13 @@ class RotaryEmbedding(torch.nn.Module):
     # -- nn.Module ---------------------------------------------------------------------------
 
     def _apply(self, fn, recurse=True):
+        device = self.cos_table.device
         super()._apply(fn, recurse)
-        # A dtype cast (model.half(), .to(torch.bfloat16)) must not round the tables: rebuild
-        # them exactly on their (possibly new) device.
-        if self.cos_table.dtype != torch.float32 or self.freq_turns.dtype != torch.int64:
+        # A dtype cast (model.half(), .to(torch.bfloat16)) must not round the tables, and a move
+        # by to_empty() (a model initialised on the meta device) leaves them uninitialised:
+        # rebuild them exactly whenever dtype or device changed.
+        if (self.cos_table.dtype != torch.float32 or self.freq_turns.dtype != torch.int64
+                or self.cos_table.device != device):
             tables = build_tables(self.freqs, self.table_rows, self.cos_table.device)
             self.cos_table, self.sin_table, self.freq_turns = tables.cos, tables.sin, tables.freq_turns
         self._plans.clear()

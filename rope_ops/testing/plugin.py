@@ -19,6 +19,15 @@ def pytest_configure(config):
     for marker in ("cuda: needs a CUDA device", "npu: needs an Ascend NPU",
                    "triton: needs triton", "slow: long-running"):
         config.addinivalue_line("markers", marker)
+    name = config.getoption("--rope-backend", default=None)
+    if name:
+        import pytest
+
+        from rope_ops import registry  # only when the suite is asked for: torch is heavy
+
+        if name not in registry.names():
+            raise pytest.UsageError(f"--rope-backend {name!r}: no such rope_ops backend; "
+                                    f"registered: {', '.join(registry.names())}")
 
 
 def pytest_report_header(config):
