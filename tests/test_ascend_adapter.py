@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rope_ops import BackendError
 from rope_ops._reference import rope_reference
 from rope_ops.testing.tolerances import allowed_error
 from rope_ops.backend import KernelArgs
@@ -292,7 +293,7 @@ def test_tiers_env_without_torch_fails_loudly(fake_npu, monkeypatch):
     b, calls = fake_npu
     monkeypatch.setenv("ROPE_OPS_ASCEND_TIERS", "npu_rotary_mul")
     args, _, _ = make_args(D=896)  # outside npu_rotary_mul's limits
-    with pytest.raises(RuntimeError, match="no tier allowed"):
+    with pytest.raises(BackendError, match="no tier allowed"):
         b.run(args)
 
 

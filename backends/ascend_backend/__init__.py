@@ -19,7 +19,10 @@
 3. ``torch``: the pure-torch backend's ``run`` on the npu device (always possible).
 
 Importing this module imports neither torch_npu nor any kernel library; ``availability()`` does,
-guarded against ImportError/OSError/RuntimeError (torch_npu without CANN fails to import).
+once, in a worker thread bounded by ``ROPE_OPS_ASCEND_PROBE_TIMEOUT``: whatever the import or the
+driver does (raise anything, hang), ``availability()`` returns reasons and never raises or hangs.
+Configuration errors (a bad variable below) are reasons too, and a BackendError from ``run``,
+raised before anything is written.
 
 Environment:
   ROPE_OPS_ASCEND_TIERS     allowed tiers, comma list of kernels,npu_rotary_mul,torch (default all)
@@ -27,6 +30,8 @@ Environment:
   ROPE_OPS_ASCEND_UB_SIZE   unified-buffer bytes per vector core for the kernels' tiling
                             (default 196608, Atlas A2/A3)
   ROPE_OPS_ASCEND_CORES     vector cores to split rows over (default: the device's vector_core_num)
+  ROPE_OPS_ASCEND_PROBE_TIMEOUT  seconds the first probe of torch_npu and the NPU may take
+                            (default 120)
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ import os
 import sys
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
+from rope_ops import BackendError
 from rope_ops.backend import Backend, KernelArgs, RopeCall, bshd_view, cos_sin_rows, positions_bs
 
 from . import limits as _limits
@@ -47,6 +54,7 @@ TIERS = ("kernels", "npu_rotary_mul", "torch")
 LIB_NAME = "librope_ops_ascend.so"
 DEFAULT_UB_SIZE = 196608  # Atlas A2/A3 (dav-2201): 192 KiB of UB per AI vector core
 DEFAULT_CORES = 40
+DEFAULT_PROBE_TIMEOUT = 120.0
 BUILD_COMMAND = "bash ascend_kernels/build.sh"
 
 _lock = threading.Lock()
@@ -65,14 +73,96 @@ def library_candidates() -> list[Path]:
     except FileNotFoundError:
         pass
     cache = os.environ.get("ROPE_OPS_CACHE")
-    root = Path(cache).expanduser() if cache else Path.home() / ".cache" / "rope_ops"
+    try:
+        root = Path(cache).expanduser() if cache else Path.home() / ".cache" / "rope_ops"
+    except RuntimeError:  # no home directory to expand
+        return out
     out.append(root / "ascend" / LIB_NAME)
     return out
+
+
+def _built_libraries() -> list[Path]:
+    """The candidates that exist (an unreadable directory counts as not there)."""
+    found = []
+    for path in library_candidates():
+        try:
+            if path.is_file():
+                found.append(path)
+        except OSError:
+            pass
+    return found
 
 
 def _short(e: BaseException, n: int = 400) -> str:
     text = f"{type(e).__name__}: {e}".strip()
     return text if len(text) <= n else text[: n - 3] + "..."
+
+
+class Config(NamedTuple):
+    """The ROPE_OPS_ASCEND_* variables, parsed."""
+
+    tiers: tuple[str, ...]  # allowed tiers, in TIERS order
+    ub_size: int
+    cores: int | None  # None: the device's vector core count
+    probe_timeout: float
+
+
+CONFIG_VARS = ("ROPE_OPS_ASCEND_TIERS", "ROPE_OPS_ASCEND_UB_SIZE", "ROPE_OPS_ASCEND_CORES",
+               "ROPE_OPS_ASCEND_PROBE_TIMEOUT")
+_configs: dict[tuple, Config] = {}  # by the variables' raw values: parsed once, read per call
+
+
+def _number(name: str, raw: str | None, default, kind, minimum, errors: list[str]):
+    """raw as a number >= minimum, the default when unset; an error naming the variable when set
+    to anything else (a typo must not silently become the default)."""
+    raw = (raw or "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or not value >= minimum:
+        errors.append(f"{name}={raw!r}: expected {'an integer' if kind is int else 'a number'} >= {minimum}")
+        return default
+    return value
+
+
+def config() -> Config:
+    """The configuration in force; BackendError naming every bad variable."""
+    raw = tuple(os.environ.get(name) for name in CONFIG_VARS)
+    found = _configs.get(raw)
+    if found is not None:
+        return found
+    errors: list[str] = []
+    tiers_raw = (raw[0] or "").strip()
+    if not tiers_raw or tiers_raw == "auto":
+        tiers = TIERS
+    else:
+        names = [t.strip() for t in tiers_raw.split(",") if t.strip()]
+        unknown = [t for t in names if t not in TIERS]
+        if unknown or not names:
+            errors.append(f"ROPE_OPS_ASCEND_TIERS={tiers_raw!r} names unknown tiers {unknown}; "
+                          f"expected a comma list of {', '.join(TIERS)}")
+        tiers = tuple(t for t in TIERS if t in names)
+    found = Config(tiers, _number(CONFIG_VARS[1], raw[1], DEFAULT_UB_SIZE, int, 1, errors),
+                   _number(CONFIG_VARS[2], raw[2], None, int, 1, errors),
+                   _number(CONFIG_VARS[3], raw[3], DEFAULT_PROBE_TIMEOUT, float, 0, errors))
+    if errors:
+        raise BackendError("ascend backend: " + "; ".join(errors))
+    if len(_configs) >= 64:
+        _configs.clear()
+    _configs[raw] = found
+    return found
+
+
+def config_errors() -> list[str]:
+    """What is wrong with the ROPE_OPS_ASCEND_* variables (empty: nothing)."""
+    try:
+        config()
+    except BackendError as error:
+        return [str(error)]
+    return []
 
 
 class _Env:
@@ -86,9 +176,17 @@ class _Env:
         self.kernel_status = "not probed"
         self.rotary_mul = None
 
+    @classmethod
+    def failed(cls, reason: str) -> _Env:
+        env = cls()
+        env.reasons.append(reason)
+        env.kernel_status = "not loaded (the probe failed)"
+        return env
+
 
 def _import_torch_npu():
-    """(module, None) or (None, reason). Never raises."""
+    """(module, None) or (None, reason). Never raises: a broken install can raise anything from
+    its import (ImportError/OSError without CANN, AttributeError against another torch...)."""
     if "torch_npu" in sys.modules and sys.modules["torch_npu"] is not None:
         return sys.modules["torch_npu"], None
     try:
@@ -99,9 +197,15 @@ def _import_torch_npu():
         return None, "torch_npu is not installed (pip install torch-npu matching this torch, on a machine with CANN)"
     try:
         import torch_npu  # noqa: F401  (registers the "npu" device)
-    except (ImportError, OSError, RuntimeError) as e:
+    except BaseException as e:  # SystemExit included: an import must not end the process
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        if (isinstance(e, ValueError) and "main thread" in str(e)
+                and threading.current_thread() is not threading.main_thread()):
+            raise  # the prober retries in the calling thread
         return None, ("torch_npu is installed but failed to import; CANN libraries missing or not "
-                      f"sourced (source <CANN>/set_env.sh): {_short(e)}")
+                      f"sourced (source <CANN>/set_env.sh), or a torch_npu built for another torch: "
+                      f"{_short(e)}")
     return torch_npu, None
 
 
@@ -122,41 +226,78 @@ class AscendBackend(Backend):
 
     # ---------------------------------------------------------------- environment
     def _probe(self) -> _Env:
-        if self._env is not None:
-            return self._env
-        with _lock:
-            if self._env is not None:
-                return self._env
-            env = _Env()
-            mod, why = _import_torch_npu()
-            if mod is None:
-                env.reasons.append(why)
-                built = [p for p in library_candidates() if p.is_file()]
-                env.kernel_status = ("not loaded (torch_npu unavailable); " +
-                                     (f"built at {built[0]}" if built else "not built"))
-            else:
-                env.torch_npu = mod
-                env.rotary_mul = getattr(mod, "npu_rotary_mul", None)
-                npu = getattr(torch, "npu", None)
-                try:
-                    env.device_count = int(npu.device_count()) if npu is not None and npu.is_available() else 0
-                except Exception as e:  # driver missing, broken runtime
-                    env.reasons.append(f"torch.npu is not usable: {_short(e)}")
-                    env.device_count = 0
-                else:
-                    if env.device_count == 0:
-                        vis = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
-                        extra = f" (ASCEND_RT_VISIBLE_DEVICES={vis!r})" if vis is not None else ""
-                        env.reasons.append(f"no NPU device visible{extra}")
-                self._load_kernels(env)
-            self._env = env
+        """What this process has, probed once. Never raises, never waits longer than the probe
+        timeout (a hanging import or driver becomes a reason; its thread is left behind)."""
+        env = self._env
+        if env is not None:
             return env
+        with _lock:
+            if self._env is None:
+                self._env = self._probe_in_worker()
+            return self._env
+
+    def _probe_in_worker(self) -> _Env:
+        try:
+            timeout = config().probe_timeout
+        except BackendError:
+            timeout = DEFAULT_PROBE_TIMEOUT  # availability() reports the bad value
+        outcome: dict = {}
+
+        def probe():
+            try:
+                outcome["env"] = self._probe_now()
+            except BaseException as error:  # reported as a reason, whatever it is
+                outcome["error"] = error
+
+        worker = threading.Thread(target=probe, daemon=True, name="rope_ops-ascend-probe")
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            return _Env.failed(f"probing torch_npu and the NPU did not finish within {timeout:g} s "
+                               "(ROPE_OPS_ASCEND_PROBE_TIMEOUT); is `import torch_npu` or the NPU "
+                               "driver hanging?")
+        error = outcome.get("error")
+        if isinstance(error, ValueError) and "main thread" in str(error):
+            # An import that must run in the main thread (signal handlers): probe right here,
+            # without the timeout; called from another thread, it fails again with a reason.
+            try:
+                return self._probe_now()
+            except Exception as again:
+                error = again
+        if error is not None:
+            return _Env.failed(f"probing torch_npu and the NPU failed: {_short(error)}")
+        return outcome["env"]
+
+    def _probe_now(self) -> _Env:
+        env = _Env()
+        mod, why = _import_torch_npu()
+        if mod is None:
+            env.reasons.append(why)
+            built = _built_libraries()
+            env.kernel_status = ("not loaded (torch_npu unavailable); " +
+                                 (f"built at {built[0]}" if built else "not built"))
+            return env
+        env.torch_npu = mod
+        env.rotary_mul = getattr(mod, "npu_rotary_mul", None)
+        npu = getattr(torch, "npu", None)
+        try:
+            env.device_count = int(npu.device_count()) if npu is not None and npu.is_available() else 0
+        except Exception as e:  # driver missing, broken runtime
+            env.reasons.append(f"torch.npu is not usable: {_short(e)}")
+            env.device_count = 0
+        else:
+            if env.device_count == 0:
+                vis = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
+                extra = f" (ASCEND_RT_VISIBLE_DEVICES={vis!r})" if vis is not None else ""
+                env.reasons.append(f"no NPU device visible{extra}")
+        self._load_kernels(env)
+        return env
 
     def _load_kernels(self, env: _Env) -> None:
         if not self._tier_allowed("kernels"):
             env.kernel_status = "disabled by ROPE_OPS_ASCEND_TIERS"
             return
-        existing = [p for p in library_candidates() if p.is_file()]
+        existing = _built_libraries()
         if not existing:
             env.kernel_status = (f"not built (no {LIB_NAME} in "
                                  f"{', '.join(str(p.parent) for p in library_candidates())}; "
@@ -172,24 +313,55 @@ class AscendBackend(Backend):
             env.kernel_status = f"failed to load {path}: {_short(e)}"
 
     def availability(self) -> list[str]:
-        env = self._probe()
+        try:
+            reasons = config_errors()
+            env = self._probe()
+        except Exception as error:  # never raise: say why instead
+            return [f"ascend backend: {_short(error)}"]
         if not env.reasons:
-            return []
-        return list(env.reasons) + [f"(own Ascend C kernels: {env.kernel_status})"]
+            return reasons
+        return reasons + list(env.reasons) + [f"(own Ascend C kernels: {env.kernel_status})"]
 
     def supports(self, call: RopeCall) -> list[str]:
-        return super().supports(call)
+        reasons = super().supports(call)
+        if reasons:
+            return reasons
+        # Without the torch tier, say from metadata when no allowed tier can take such calls
+        # (shape limits of the other tiers are only known per call: run() raises for those).
+        try:
+            tiers = config().tiers
+        except BackendError as error:
+            return [str(error)]
+        if "torch" in tiers:
+            return []
+        env = self._probe()
+        why = []
+        if "kernels" in tiers:
+            if env.kernel_ops is None:
+                why.append(f"kernels: {env.kernel_status}")
+            elif not call.last_dim_contiguous:
+                why.append("kernels: needs stride 1 on head_dim")
+            else:
+                return []
+        if "npu_rotary_mul" in tiers:
+            if env.rotary_mul is None:
+                why.append("npu_rotary_mul: torch_npu.npu_rotary_mul unavailable")
+            elif call.rotary_dim >= _limits.MAX_D:
+                why.append(f"npu_rotary_mul: rotary_dim {call.rotary_dim} >= {_limits.MAX_D}")
+            else:
+                return []
+        return [f"no tier allowed by ROPE_OPS_ASCEND_TIERS takes this call ({'; '.join(why)})"]
 
     @staticmethod
     def _tier_allowed(tier: str) -> bool:
-        raw = os.environ.get("ROPE_OPS_ASCEND_TIERS", "").strip()
-        if not raw or raw == "auto":
-            return True
-        return tier in {t.strip() for t in raw.split(",")}
+        try:
+            return tier in config().tiers
+        except BackendError:  # reported by availability(); run() raises it
+            return False
 
     def tiers(self) -> list[dict]:
         """Each tier and whether it can serve calls in this process (for ``python -m rope_ops info``)."""
-        env = self._probe()
+        env = self._probe()  # never raises
         npu_ok = env.torch_npu is not None and env.device_count > 0
 
         def status(tier, ok, text):
@@ -222,9 +394,9 @@ class AscendBackend(Backend):
         return idx
 
     def _cores(self, t: torch.Tensor) -> int:
-        env_cores = os.environ.get("ROPE_OPS_ASCEND_CORES")
-        if env_cores:
-            return max(1, int(env_cores))
+        env_cores = config().cores
+        if env_cores is not None:
+            return env_cores
         idx = self._device_index(t)
         if idx not in self._core_num:
             n = 0
@@ -237,8 +409,7 @@ class AscendBackend(Backend):
 
     @staticmethod
     def _ub_size() -> int:
-        raw = os.environ.get("ROPE_OPS_ASCEND_UB_SIZE")
-        return int(raw) if raw else DEFAULT_UB_SIZE
+        return config().ub_size
 
     def _soc_name(self, t: torch.Tensor) -> str | None:
         idx = self._device_index(t)
@@ -255,8 +426,10 @@ class AscendBackend(Backend):
         return tier, skipped
 
     def _choose(self, args: KernelArgs):
-        """(tier, skipped reasons, what the tier needs: kernel views or npu_rotary_mul plan)."""
+        """(tier, skipped reasons, what the tier needs: kernel views or npu_rotary_mul plan).
+        BackendError (before anything is written) when no allowed tier can take the call."""
         env = self._probe()
+        config()  # a bad variable is a BackendError here, before anything is written
         skipped: dict[str, list[str]] = {}
         if not self._tier_allowed("kernels"):
             skipped["kernels"] = ["disabled by ROPE_OPS_ASCEND_TIERS"]
@@ -280,8 +453,9 @@ class AscendBackend(Backend):
                 return "npu_rotary_mul", skipped, plan
             skipped["npu_rotary_mul"] = why
         if not self._tier_allowed("torch"):
-            raise RuntimeError("rope_ops ascend backend: no tier allowed by ROPE_OPS_ASCEND_TIERS="
-                               f"{os.environ.get('ROPE_OPS_ASCEND_TIERS')!r} can take this call: {skipped}")
+            raise BackendError("rope_ops ascend backend: no tier allowed by ROPE_OPS_ASCEND_TIERS="
+                               f"{os.environ.get('ROPE_OPS_ASCEND_TIERS')!r} can take this call: {skipped}",
+                               refusals={"ascend": [f"{t}: {'; '.join(r)}" for t, r in skipped.items()]})
         return "torch", skipped, None
 
     def rotary_mul_plan(self, args: KernelArgs):
@@ -321,7 +495,12 @@ class AscendBackend(Backend):
     # ---------------------------------------------------------------- run
     def run(self, args: KernelArgs) -> None:
         if args.q.numel() == 0:
-            return
+            # q without elements (no heads) and a k with some: k alone is the call.
+            if args.k is None or args.k.numel() == 0:
+                return
+            args = args._replace(q=args.k, q_out=args.k_out, k=None, k_out=None)
+        elif args.k is not None and args.k.numel() == 0:
+            args = args._replace(k=None, k_out=None)
         tier, skipped, prepared = self._choose(args)
         self.last_tier, self.last_reasons = tier, skipped
         self.tier_counts[tier] += 1
