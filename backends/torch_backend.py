@@ -20,6 +20,8 @@ class TorchBackend(Backend):
     priority = 0
     device_types = frozenset({"*"})  # any device torch runs on
     dtypes = frozenset(FLOAT_DTYPES)
+    angle_kinds = frozenset({"table", "token", "mrope"})
+    table_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
     def describe(self) -> dict:
         return {**super().describe(), "devices": ["any"]}

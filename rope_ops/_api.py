@@ -13,7 +13,8 @@ import torch
 
 from . import _plans, _select
 from ._errors import RopeError
-from ._memory import check_inplace_autograd, check_inplace_memory
+from ._memory import check_inplace_autograd, check_inplace_memory, check_outputs
+from ._mrope import check_section
 from ._ops import BoundRopeFunction, Spec, bind, needs_check, rotate, rotate_with_grad
 from ._tables import CACHE, table_key
 from .backend import LAYOUTS, RopeCall
@@ -37,9 +38,10 @@ _is_compiling = torch.compiler.is_compiling
 def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | None = None,
           style: str | None = None, layout: str | None = None, base: float | None = None,
           scaling: dict | None = None, rope: RotaryEmbedding | None = None,
-          cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None, inplace: bool = False,
-          backend: str | None = None, max_position: int | None = None, seq_len: int | None = None,
-          head_dim: int | None = None):
+          cos_sin: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None = None,
+          inplace: bool = False, backend: str | None = None, max_position: int | None = None,
+          seq_len: int | None = None, head_dim: int | None = None, mrope_section=None,
+          mrope_interleaved: bool = False, out=None):
     """Rotate q and k by their tokens' positions (RotaryEmbedding). Returns ``(q_out, k_out)``.
 
     Args:
@@ -50,7 +52,8 @@ def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | Non
         k: like q, same dtype/device/layout/head_dim/leading dims, any head count; or None.
         pos: int tensor (int32/int64) of positions, [B,S], [1,S] or [S] ([T] for thd); or a
             Python int ``o`` meaning ``o + arange(seq_len)``. Any int64 value is valid: positions
-            outside the table are computed on the fly.
+            outside the table are computed on the fly. None: ``cos_sin`` holds one row per token.
+            With ``mrope_section``: [3, B, S] or [3, S] ([3, T] for thd), the t, h, w positions.
         rotary_dim: leading dims that rotate (even, <= head_dim; default head_dim, or twice the
             width of ``cos_sin`` tables).
         style: "neox" (pairs i, i+r/2; default) or "gptj" (pairs 2i, 2i+1).
@@ -58,16 +61,24 @@ def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | Non
             once and cached (bounded in bytes).
         seq_len: the sequence length dynamic NTK / LongRoPE scale for (with ``rope=`` too).
         rope: a RotaryEmbedding to use instead of base/scaling/rotary_dim/style.
-        cos_sin: caller-supplied float32 tables (cos, sin), each [max_pos, r/2], holding m*cos and
-            m*sin of any frequency scheme; positions outside them give NaN (RopeError where known
-            without a device sync).
+        cos_sin: caller-supplied tables of any frequency scheme, float32/float16/bfloat16,
+            holding m*cos and m*sin: with positions, (cos, sin) each [P, r/2] (or [P, r] in Hugging
+            Face's duplicated form), or one [P, r] cos|sin cache (vLLM/FlashInfer); positions
+            outside them give NaN (RopeError where known without a device sync). With pos None,
+            per token: [B, S, w], [1, S, w] or [S, w] ([T, w] for thd), w = r/2 or r (Hugging
+            Face's cos/sin as its rotary module returns them). Pass rotary_dim for partial rotary
+            with duplicated tables (a width w <= head_dim/2 is read as r/2).
         inplace: write into q and k (only the rotary dims are touched) and return them. Works in
             training on views of a tensor that requires grad (packed QKV).
         backend: force a backend (a name or a comma list); overrides ROPE_OPS_BACKEND.
         head_dim: the head size when q and k come as [T, H*D] (2-D); outputs are 2-D too.
+        mrope_section: mRoPE (Qwen2-VL, Qwen3-VL): frequencies per position axis (t, h, w),
+            summing to r/2; ``mrope_interleaved`` assigns them round-robin (Qwen3-VL) instead of
+            in consecutive chunks.
+        out: (q_out, k_out) to write into (out of place, no autograd); any strides.
     """
     if cos_sin is None and scaling is None and inplace is False and head_dim is None \
-            and not _is_compiling():
+            and mrope_section is None and out is None and not _is_compiling():
         # Fast path for repeated calls (decode steps, training steps): everything _apply derives
         # from metadata is cached under the metadata it read (_plans).
         try:
@@ -88,7 +99,7 @@ def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | Non
             entry = plans.get(key)
             if entry is None:
                 kwargs = _kwargs(rotary_dim, style, layout, base, None, rope, None, False, backend,
-                                 max_position, seq_len, None)
+                                 max_position, seq_len, None, None, False, None)
                 plan = _apply(q, k, pos, kwargs, mode="plan")
                 if plan is None:  # a kind not yet checked on a third-party backend: full path
                     return _apply(q, k, pos, kwargs)
@@ -103,18 +114,21 @@ def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | Non
                 return plan(q, k, None, pos)
             return plan(q, k, pos, 0)
     return _apply(q, k, pos, _kwargs(rotary_dim, style, layout, base, scaling, rope, cos_sin,
-                                     inplace, backend, max_position, seq_len, head_dim))
+                                     inplace, backend, max_position, seq_len, head_dim,
+                                     mrope_section, mrope_interleaved, out))
 
 
 def _kwargs(rotary_dim, style, layout, base, scaling, rope, cos_sin, inplace, backend,
-            max_position, seq_len, head_dim) -> dict:
+            max_position, seq_len, head_dim, mrope_section, mrope_interleaved, out) -> dict:
     return {"rotary_dim": rotary_dim, "style": style, "layout": layout, "base": base,
             "scaling": scaling, "rope": rope, "cos_sin": cos_sin, "inplace": inplace,
             "backend": backend, "max_position": max_position, "seq_len": seq_len,
-            "head_dim": head_dim}
+            "head_dim": head_dim, "mrope_section": mrope_section,
+            "mrope_interleaved": mrope_interleaved, "out": out}
 
 
-_KWARG_NAMES = tuple(_kwargs(*([None] * 12)))
+_KWARG_NAMES = tuple(_kwargs(*([None] * 15)))
+_KWARG_DEFAULTS = {"inplace": False, "mrope_interleaved": False}
 
 
 def _plan_key(q, k, pos, options):
@@ -143,8 +157,7 @@ def apply_grad(grad_q: torch.Tensor, grad_k: torch.Tensor | None, pos, **kwargs)
     unknown = set(kwargs) - set(_KWARG_NAMES)
     if unknown:
         raise TypeError(f"apply_grad() got unexpected keyword arguments {sorted(unknown)}")
-    options = {name: kwargs.get(name) for name in _KWARG_NAMES}
-    options["inplace"] = kwargs.get("inplace", False)
+    options = {name: kwargs.get(name, _KWARG_DEFAULTS.get(name)) for name in _KWARG_NAMES}
     return _apply(grad_q, grad_k, pos, options, inverse=True)
 
 
@@ -153,8 +166,7 @@ def which_backend(q, k, pos, **kwargs) -> str:
     unknown = set(kwargs) - set(_KWARG_NAMES)
     if unknown:
         raise TypeError(f"select_backend() got unexpected keyword arguments {sorted(unknown)}")
-    options = {name: kwargs.get(name) for name in _KWARG_NAMES}
-    options["inplace"] = kwargs.get("inplace", False)
+    options = {name: kwargs.get(name, _KWARG_DEFAULTS.get(name)) for name in _KWARG_NAMES}
     return _apply(q, k, pos, options, mode="select")
 
 
@@ -165,10 +177,12 @@ def which_backend(q, k, pos, **kwargs) -> str:
 def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
     """Validate, resolve the tables, select, and run (mode "run"), or return the backend's name
     ("select") or a plan for repeats of this call kind ("plan")."""
-    head_dim_arg = kw["head_dim"]
-    flat = head_dim_arg is not None
+    out = kw["out"]
+    flat = kw["head_dim"] is not None
     if flat:
-        q, k, layout_arg = _unflatten_heads(q, k, head_dim_arg, kw["layout"])
+        q, k, layout_arg = _unflatten_heads(q, k, kw["head_dim"], kw["layout"])
+        if out is not None:
+            out = _unflatten_heads(*_out_pair(out), kw["head_dim"], None)[:2]
     else:
         layout_arg = kw["layout"]
     layout, head_dim, leading = _check_tensors(q, k, layout_arg)
@@ -176,6 +190,12 @@ def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
     style, rotary_dim = kw["style"], kw["rotary_dim"]
     base, scaling = kw["base"], kw["scaling"]
     max_position, seq_len = check_max_position(kw["max_position"]), check_seq_len(kw["seq_len"])
+    mrope_section, mrope_interleaved = kw["mrope_section"], kw["mrope_interleaved"]
+    if not isinstance(mrope_interleaved, bool):
+        raise RopeError(f"mrope_interleaved: expected a bool, got {mrope_interleaved!r}")
+    per_token = pos is None
+    if per_token and cos_sin is None:
+        raise RopeError("pos: None means per-token cos/sin tables, but cos_sin was not given")
     if rope is not None:
         if rotary_dim is not None or base is not None or scaling is not None or cos_sin is not None \
                 or max_position is not None:
@@ -197,12 +217,7 @@ def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
             if seq_len is not None:
                 raise RopeError("seq_len: caller tables (cos_sin) already fix the frequencies; "
                                 "seq_len has nothing to scale")
-            width = _table_width(cos_sin)
-            if rotary_dim is None:
-                rotary_dim = 2 * width  # a narrower table than the head: partial rotary
-            elif rotary_dim != 2 * width:
-                raise RopeError(f"cos_sin: tables of width {width} rotate {2 * width} dims, but "
-                                f"rotary_dim is {rotary_dim} (width must be rotary_dim/2)")
+            cos_sin, rotary_dim = _caller_tables(cos_sin, rotary_dim, head_dim, style, per_token)
         elif rotary_dim is None:
             rotary_dim = head_dim
         check_rotary_dim(rotary_dim, head_dim)
@@ -211,15 +226,28 @@ def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
     if not isinstance(inplace := kw["inplace"], bool):
         raise RopeError(f"inplace: expected a bool, got {inplace!r}")
     device = q.device
-    pos_offset, pos_tensor = _check_pos(pos, q, layout, leading)
+    if mrope_section is not None:
+        if per_token:
+            raise RopeError("mrope_section: mRoPE takes positions [3, ...]; per-token tables (pos "
+                            "None) already combine the axes")
+        mrope_section = check_section(mrope_section, rotary_dim)
+        pos_offset, pos_tensor = 0, _check_mrope_pos(pos, q, layout, leading)
+        angles = "mrope"
+    elif per_token:
+        pos_offset, pos_tensor, angles = 0, None, "token"
+    else:
+        pos_offset, pos_tensor = _check_pos(pos, q, layout, leading)
+        angles = "table"
     request = _select.current_request(kw["backend"])
     compiling = _is_compiling()
 
     # The tables.
     if cos_sin is not None:
-        cos, sin = _check_tables(cos_sin, rotary_dim, device)
+        cos, sin = _check_tables(cos_sin, device)
         freq_turns, attention_factor = None, 1.0
-        if pos_tensor is None:
+        if per_token:
+            cos, sin = _token_tables(cos, sin, layout, leading)
+        elif pos_tensor is None:
             _check_positions_inside(pos_offset, pos_offset + q.shape[_SEQ_DIM[layout]], cos.shape[0])
         elif pos_tensor.device.type == "cpu" and pos_tensor.numel() and not compiling:
             _check_positions_inside(int(pos_tensor.min()), int(pos_tensor.max()) + 1, cos.shape[0])
@@ -231,6 +259,16 @@ def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
 
     grad_enabled = torch.is_grad_enabled()
     needs_grad = grad_enabled and (q.requires_grad or (k is not None and k.requires_grad))
+    q_out = k_out = None
+    if out is not None:
+        if inplace:
+            raise RopeError("out: in place writes into q and k; out= is for out of place")
+        if needs_grad:
+            raise RopeError("out: out= does not record a backward; q or k requires grad "
+                            "(call without out= to get gradients)")
+        q_out, k_out = _out_pair(out)
+        if not compiling:
+            check_outputs(q, k, q_out, k_out)
     split = False
     if inplace:
         if not compiling:  # traced: the in-place op checks memory when it runs
@@ -244,7 +282,8 @@ def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
     call = RopeCall(device.type, q.dtype, layout, style, head_dim, rotary_dim,
                     q.shape[_HEADS_DIM[layout]], 0 if k is None else k.shape[_HEADS_DIM[layout]],
                     inplace, None if pos_tensor is None else pos_tensor.dtype, freq_turns is None,
-                    needs_grad, q.stride(-1) == 1 and (k is None or k.stride(-1) == 1))
+                    needs_grad, q.stride(-1) == 1 and (k is None or k.stride(-1) == 1), angles,
+                    cos.dtype)
     selected = None if compiling else _select.select(call, request)
     if mode == "select":
         return selected.name if selected is not None else request
@@ -253,13 +292,14 @@ def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
             return None
         return _make_plan(selected, call, cos, sin, freq_turns, attention_factor, layout,
                           rotary_dim, interleaved, needs_grad)
-    spec = Spec(layout, rotary_dim, interleaved, inplace, request, selected)
+    spec = Spec(layout, rotary_dim, interleaved, inplace, request, selected, angles,
+                mrope_section, mrope_interleaved)
     if needs_grad:
         q_out, k_out = rotate_with_grad(spec, q, k, pos_tensor, pos_offset, cos, sin, freq_turns,
                                         attention_factor, inverse, split)
     else:
         q_out, k_out = rotate(spec, q, k, pos_tensor, pos_offset, cos, sin, freq_turns,
-                              attention_factor, inverse, call=call)
+                              attention_factor, inverse, call=call, q_out=q_out, k_out=k_out)
     if flat:
         q_out = q_out.flatten(-2)
         k_out = None if k_out is None else k_out.flatten(-2)
@@ -409,31 +449,114 @@ def _check_pos(pos, q, layout, leading):
     return 0, pos
 
 
-def _table_width(cos_sin) -> int:
+_TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _caller_tables(cos_sin, rotary_dim, head_dim, style, per_token):
+    """(cos, sin) views of width rotary_dim/2 from the forms callers bring, and rotary_dim.
+
+    A pair (cos, sin) in the half form (width r/2: one value per frequency) or in Hugging Face's
+    duplicated form (width r: cat(c, c) for neox, each value twice for gptj); or, indexed by
+    position only, one [P, r] cos|sin cache (vLLM, FlashInfer). The width says r: with
+    rotary_dim given it must be r/2 or r; without, a width w is the half form when 2w <= head_dim
+    (a narrower table than the head: partial rotary) and the duplicated form otherwise.
+    """
+    if isinstance(cos_sin, torch.Tensor):
+        if per_token:
+            raise RopeError("cos_sin: one [P, r] cos|sin cache is indexed by position; give pos")
+        if cos_sin.dim() != 2 or cos_sin.shape[-1] % 2:
+            raise RopeError(f"cos_sin: a single table must be a [P, rotary_dim] cos|sin cache, got "
+                            f"shape {list(cos_sin.shape)}")
+        width = cos_sin.shape[-1]
+        if rotary_dim is not None and rotary_dim != width:
+            raise RopeError(f"cos_sin: a cos|sin cache of width {width} rotates {width} dims, but "
+                            f"rotary_dim is {rotary_dim}")
+        return (cos_sin[:, : width // 2], cos_sin[:, width // 2:]), width
     if not (isinstance(cos_sin, (tuple, list)) and len(cos_sin) == 2
             and all(isinstance(t, torch.Tensor) for t in cos_sin)):
-        raise RopeError("cos_sin: expected a pair (cos, sin) of float32 tensors [max_pos, rotary_dim/2]")
-    cos = cos_sin[0]
-    if cos.dim() != 2:
-        raise RopeError(f"cos_sin: cos must be 2-D [max_pos, rotary_dim/2], got shape {list(cos.shape)}")
-    return cos.shape[1]
-
-
-def _check_tables(cos_sin, rotary_dim, device):
+        raise RopeError("cos_sin: expected a pair (cos, sin) of tensors (or one [P, r] cos|sin cache)")
     cos, sin = cos_sin
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.dtype != torch.float32:
-            raise RopeError(f"cos_sin: {name} must be float32, got {t.dtype}")
-        if t.dim() != 2 or t.shape[1] != rotary_dim // 2:
-            raise RopeError(f"cos_sin: {name} must have shape [max_pos, {rotary_dim // 2}], got "
-                            f"{list(t.shape)}")
-        if t.device != device:
-            raise RopeError(f"cos_sin: {name} on {t.device}, q on {device}")
-        if t.requires_grad:
-            raise RopeError(f"cos_sin: {name} requires grad; gradients w.r.t. tables are not supported")
     if cos.shape != sin.shape:
         raise RopeError(f"cos_sin: cos {list(cos.shape)} and sin {list(sin.shape)} differ")
-    return cos.contiguous(), sin.contiguous()
+    if cos.dim() == 0:
+        raise RopeError("cos_sin: tables must have a frequency axis")
+    width = cos.shape[-1]
+    if rotary_dim is None:
+        if 2 * width <= head_dim:
+            return (cos, sin), 2 * width
+        rotary_dim = width
+    if rotary_dim == 2 * width:
+        return (cos, sin), rotary_dim
+    if rotary_dim == width and width % 2 == 0:
+        half = width // 2
+        if style == "gptj":  # (c0, c0, c1, c1, ...): every other value
+            return (cos[..., ::2], sin[..., ::2]), rotary_dim
+        return (cos[..., :half], sin[..., :half]), rotary_dim
+    raise RopeError(f"cos_sin: tables of width {width} fit rotary_dim {2 * width} (one value per "
+                    f"frequency) or {width} (duplicated halves), but rotary_dim is {rotary_dim}")
+
+
+def _check_tables(cos_sin, device):
+    cos, sin = cos_sin
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype not in _TABLE_DTYPES:
+            raise RopeError(f"cos_sin: {name} must be float32, float16 or bfloat16, got {t.dtype}")
+        if t.device != device:
+            raise RopeError(f"cos_sin: {name} on {t.device}, q on {device}")
+        if t.requires_grad and torch.is_grad_enabled():
+            raise RopeError(f"cos_sin: {name} requires grad; gradients w.r.t. tables are not supported")
+    if cos.dtype != sin.dtype:
+        raise RopeError(f"cos_sin: cos is {cos.dtype}, sin is {sin.dtype}; give one dtype")
+    if cos.stride(-1) != 1:  # kernels read frequencies contiguously: a small copy
+        cos = cos.contiguous()
+    if sin.stride(-1) != 1:
+        sin = sin.contiguous()
+    return cos.detach(), sin.detach()
+
+
+def _token_tables(cos, sin, layout, leading):
+    """Per-token tables as [B, S, r/2] views in (batch, token) order ([1, T, r/2] for thd):
+    from [B, S, w], [1, S, w] or [S, w] ([T, w] for thd)."""
+    batch, seq = (1, leading[0]) if layout == "thd" else leading
+    shape = tuple(cos.shape[:-1])
+    if layout == "thd":
+        ok = shape in ((seq,), (1, seq))
+    else:
+        ok = shape in ((batch, seq), (1, seq), (seq,))
+    if not ok:
+        want = "[T, w]" if layout == "thd" else "[B, S, w], [1, S, w] or [S, w]"
+        raise RopeError(f"cos_sin: per-token tables (pos None) must be {want} with (B, S) = "
+                        f"{(batch, seq)}, got {list(cos.shape)}")
+    half = cos.shape[-1]
+    if cos.dim() == 2:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    return cos.expand(batch, seq, half), sin.expand(batch, seq, half)
+
+
+def _out_pair(out):
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise RopeError("out: expected a pair (q_out, k_out) (k_out None when k is None)")
+    return out[0], out[1]
+
+
+def _check_mrope_pos(pos, q, layout, leading):
+    """mRoPE positions as an int tensor [3, B, S] / [3, S] ([3, T] for thd)."""
+    if not isinstance(pos, torch.Tensor) or pos.dtype not in _POS_DTYPES:
+        raise RopeError(f"pos: mRoPE needs an int32/int64 tensor of positions [3, ...], got "
+                        f"{type(pos).__name__ if not isinstance(pos, torch.Tensor) else pos.dtype}")
+    if pos.device != q.device:
+        raise RopeError(f"pos: device {pos.device} differs from q's {q.device}")
+    shape = tuple(pos.shape)
+    if layout == "thd":
+        ok = shape == (3, leading[0])
+    else:
+        ok = shape in ((3,) + leading, (3, leading[1]), (3, 1, leading[1]))
+        if shape == (3, 1, leading[1]) and leading[0] != 1:
+            pos = pos.expand(3, *leading)
+    if not ok:
+        want = "[3, T]" if layout == "thd" else f"[3, B, S] = {[3, *leading]} or [3, S]"
+        raise RopeError(f"pos: mRoPE positions must be {want} (one row per axis t, h, w), got {list(shape)}")
+    return pos
 
 
 def _check_positions_inside(low: int, high: int, n_rows: int) -> None:

@@ -28,7 +28,7 @@ from .backend import Backend, KernelArgs, RopeCall
 _LIB = torch.library.Library("rope_ops", "DEF")  # kept alive for the life of the process
 _ARGS = ("Tensor? pos, SymInt pos_offset, Tensor cos, Tensor sin, Tensor? freq_turns, "
          "float attention_factor, str layout, int rotary_dim, bool interleaved, bool inverse, "
-         "bool needs_grad, str backend")
+         "str angles, int[] mrope_section, bool mrope_interleaved, bool needs_grad, str backend")
 _LIB.define(f"rope(Tensor q, Tensor? k, {_ARGS}) -> (Tensor, Tensor)")
 _LIB.define(f"rope_(Tensor(a!) q, Tensor(b!)? k, {_ARGS}) -> ()")
 
@@ -42,6 +42,9 @@ class Spec(NamedTuple):
     inplace: bool
     request: str  # the backend request ('auto', a name, a comma list)
     backend: Backend | None  # the backend selected for it (eager); None when traced
+    angles: str = "table"  # KernelArgs.angles
+    mrope_section: tuple | None = None
+    mrope_interleaved: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,23 +129,33 @@ def _check_outputs(backend: Backend, args: KernelArgs, q_out, k_out) -> None:
 
 
 def rotate(spec: Spec, q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, inverse,
-           needs_grad=False, call=None):
+           needs_grad=False, call=None, q_out=None, k_out=None):
     """One rotation: the backend directly in eager mode, ``torch.ops.rope_ops`` when traced.
-    Returns (q_out, k_out); in place, (q, k)."""
+    Returns (q_out, k_out); in place, (q, k). ``q_out``/``k_out``: caller's outputs (out=)."""
     if not torch.compiler.is_compiling():
-        args = KernelArgs(q, k, None, None, pos, pos_offset, cos, sin, freq_turns,
+        args = KernelArgs(q, k, q_out, k_out, pos, pos_offset, cos, sin, freq_turns,
                           attention_factor, spec.layout, spec.rotary_dim, spec.interleaved,
-                          inverse, spec.inplace)
+                          inverse, spec.inplace, spec.angles, spec.mrope_section,
+                          spec.mrope_interleaved)
         return run_backend(spec.backend, args, call)
+    section = list(spec.mrope_section or ())
     if spec.inplace:
         torch.ops.rope_ops.rope_(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor,
                                  spec.layout, spec.rotary_dim, spec.interleaved, inverse,
-                                 needs_grad, spec.request)
+                                 spec.angles, section, spec.mrope_interleaved, needs_grad,
+                                 spec.request)
         return q, k
-    q_out, k_out = torch.ops.rope_ops.rope(q, k, pos, pos_offset, cos, sin, freq_turns,
-                                           attention_factor, spec.layout, spec.rotary_dim,
-                                           spec.interleaved, inverse, needs_grad, spec.request)
-    return q_out, (None if k is None else k_out)
+    made_q, made_k = torch.ops.rope_ops.rope(q, k, pos, pos_offset, cos, sin, freq_turns,
+                                             attention_factor, spec.layout, spec.rotary_dim,
+                                             spec.interleaved, inverse, spec.angles, section,
+                                             spec.mrope_interleaved, needs_grad, spec.request)
+    made_k = None if k is None else made_k
+    if q_out is None:
+        return made_q, made_k
+    q_out.copy_(made_q)
+    if k_out is not None:
+        k_out.copy_(made_k)
+    return q_out, k_out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,51 +164,49 @@ def rotate(spec: Spec, q, k, pos, pos_offset, cos, sin, freq_turns, attention_fa
 _HEADS = {"bshd": 2, "sbhd": 2, "bhsd": 1, "thd": 1}
 
 
-def call_of(q, k, pos, cos, freq_turns, layout, rotary_dim, interleaved, inplace, needs_grad) -> RopeCall:
+def call_of(q, k, pos, cos, freq_turns, layout, rotary_dim, interleaved, inplace, needs_grad,
+            angles) -> RopeCall:
     """The selection metadata of a call (what backends' supports() read)."""
     heads = _HEADS[layout]
     return RopeCall(q.device.type, q.dtype, layout, "gptj" if interleaved else "neox", q.shape[-1],
                     rotary_dim, q.shape[heads], 0 if k is None else k.shape[heads], inplace,
                     None if pos is None else pos.dtype, freq_turns is None, needs_grad,
-                    q.stride(-1) == 1 and (k is None or k.stride(-1) == 1))
+                    q.stride(-1) == 1 and (k is None or k.stride(-1) == 1), angles, cos.dtype)
 
 
-def _run_op(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout, rotary_dim,
-            interleaved, inverse, needs_grad, request, inplace):
-    call = call_of(q, k, pos, cos, freq_turns, layout, rotary_dim, interleaved, inplace, needs_grad)
+def _run_op(inplace, q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout,
+            rotary_dim, interleaved, inverse, angles, mrope_section, mrope_interleaved, needs_grad,
+            request):
+    call = call_of(q, k, pos, cos, freq_turns, layout, rotary_dim, interleaved, inplace, needs_grad,
+                   angles)
     backend = _select.select(call, request)
     args = KernelArgs(q, k, None, None, pos, pos_offset, cos, sin, freq_turns, attention_factor,
-                      layout, rotary_dim, interleaved, inverse, inplace)
+                      layout, rotary_dim, interleaved, inverse, inplace, angles,
+                      tuple(mrope_section) or None, mrope_interleaved)
     return run_backend(backend, args, call, separate_outputs=True)
 
 
 @torch.library.impl(_LIB, "rope", "CompositeExplicitAutograd")
-def _rope_kernel(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout, rotary_dim,
-                 interleaved, inverse, needs_grad, backend):
-    q_out, k_out = _run_op(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout,
-                           rotary_dim, interleaved, inverse, needs_grad, backend, False)
+def _rope_kernel(q, k, *args):
+    q_out, k_out = _run_op(False, q, k, *args)
     return q_out, (q.new_empty(0) if k_out is None else k_out)
 
 
 @torch.library.register_fake("rope_ops::rope")
-def _rope_fake(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout, rotary_dim,
-               interleaved, inverse, needs_grad, backend):
+def _rope_fake(q, k, *args):
     return torch.empty_like(q), (q.new_empty(0) if k is None else torch.empty_like(k))
 
 
 @torch.library.impl(_LIB, "rope_", "CompositeExplicitAutograd")
-def _rope_inplace_kernel(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout,
-                         rotary_dim, interleaved, inverse, needs_grad, backend):
+def _rope_inplace_kernel(q, k, *args):
     from ._memory import check_inplace_memory
 
     check_inplace_memory(q, k)  # traced calls could not check before (no data pointers)
-    _run_op(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout, rotary_dim,
-            interleaved, inverse, needs_grad, backend, True)
+    _run_op(True, q, k, *args)
 
 
 @torch.library.register_fake("rope_ops::rope_")
-def _rope_inplace_fake(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout,
-                       rotary_dim, interleaved, inverse, needs_grad, backend):
+def _rope_inplace_fake(q, k, *args):
     return None
 
 

@@ -60,6 +60,8 @@ class RopeCall(NamedTuple):
     caller_tables: bool  # cos/sin supplied by the caller (no inv_freq to fall back on)
     needs_grad: bool  # the call records a backward
     last_dim_contiguous: bool  # q and k have stride 1 on the head_dim axis
+    angles: str = "table"  # where angles come from: see KernelArgs.angles
+    table_dtype: torch.dtype = torch.float32  # dtype of cos/sin (caller tables may be fp16/bf16)
 
 
 class KernelArgs(NamedTuple):
@@ -74,10 +76,17 @@ class KernelArgs(NamedTuple):
     k: torch.Tensor | None
     q_out: torch.Tensor | None  # where to write; ``q`` itself when in place; None: see allocates_outputs
     k_out: torch.Tensor | None
-    pos: torch.Tensor | None  # int32/int64 [B,S], [S] (shared by the batch) or [T] (thd); None: offset
+    # int32/int64 [B,S], [S] (shared by the batch) or [T] (thd); None: offset (or no positions,
+    # angles "token"). mRoPE: [3, B, S], [3, S] or [3, T], one row per axis (t, h, w).
+    pos: torch.Tensor | None
     pos_offset: int  # when pos is None, token s has position pos_offset + s
-    cos: torch.Tensor  # float32 [P, rotary_dim/2], contiguous, m*cos(theta(p, i)) for p < P
-    sin: torch.Tensor  # float32 [P, rotary_dim/2], contiguous, m*sin(theta(p, i))
+    # Tables: [P, rotary_dim/2] with stride 1 along frequencies (rows may be strided: cos and sin
+    # can be the two halves of one [P, rotary_dim] cache), holding m*cos(theta(p, i)) and
+    # m*sin(theta(p, i)) for p < P; float32, or float16/bfloat16 for caller tables. With angles
+    # "token": [B, S, rotary_dim/2] (thd: B = 1), one row per token, any strides (0 to broadcast),
+    # stride 1 along frequencies.
+    cos: torch.Tensor
+    sin: torch.Tensor
     # Frequencies as fixed-point turns: frac(inv_freq[i] / 2pi) * 2^64 stored as a wrapped int64,
     # so p * freq_turns[i] (wrapping int64 product) is the angle of any integer position p as a
     # 64-bit fraction of a turn, exactly. None for caller tables: then rows outside [0, P) are NaN.
@@ -88,6 +97,14 @@ class KernelArgs(NamedTuple):
     interleaved: bool  # gptj pairs (2i, 2i+1); neox pairs (i, i + r/2)
     inverse: bool  # rotate by minus the angle (the backward)
     inplace: bool  # q_out is q: write only the rotary dims
+    # Where the angles come from (the variant seam):
+    # "table": row pos(b, s) of cos/sin (rows outside: freq_turns, or NaN for caller tables);
+    # "token": row (b, s) of the per-token cos/sin, no positions;
+    # "mrope": frequency i of token (b, s) takes row pos[axis_i, b, s], axis_i from
+    #          rope_ops._mrope.mrope_axes(mrope_section, mrope_interleaved).
+    angles: str = "table"
+    mrope_section: tuple[int, int, int] | None = None
+    mrope_interleaved: bool = False
 
 
 class Backend:
@@ -113,6 +130,9 @@ class Backend:
     supports_inplace: ClassVar[bool] = True
     supports_caller_tables: ClassVar[bool] = True
     requires_last_dim_contiguous: ClassVar[bool] = False
+    # Angle sources it implements (KernelArgs.angles) and table dtypes it reads.
+    angle_kinds: ClassVar[frozenset[str]] = frozenset({"table"})
+    table_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset({torch.float32})
     # Out of place, a backend that allocates its own outputs (saving the Python-side allocation,
     # ~1 us each) gets q_out = k_out = None and returns (q_out, k_out) from run().
     allocates_outputs: ClassVar[bool] = False
@@ -144,6 +164,11 @@ class Backend:
             reasons.append("no caller-supplied cos/sin tables")
         if self.requires_last_dim_contiguous and not call.last_dim_contiguous:
             reasons.append("needs stride 1 on head_dim")
+        if call.angles not in self.angle_kinds:
+            reasons.append(f"angles {call.angles!r} not in {sorted(self.angle_kinds)}")
+        if call.table_dtype not in self.table_dtypes:
+            reasons.append(f"cos/sin tables of dtype {call.table_dtype} not in "
+                           f"{sorted(str(d) for d in self.table_dtypes)}")
         return reasons
 
     def run(self, args: KernelArgs):
@@ -179,6 +204,7 @@ class Backend:
             "backward": self.supports_backward,
             "inplace": self.supports_inplace,
             "caller_tables": self.supports_caller_tables,
+            "angles": sorted(self.angle_kinds),
         }
 
     def auto_devices(self) -> frozenset[str]:
@@ -201,37 +227,61 @@ def bshd_view(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def positions_bs(args: KernelArgs, batch: int, seq: int) -> torch.Tensor:
-    """Positions as an int64 [B, S] tensor (a broadcast view where the input was shared)."""
+    """Positions as an int64 [B, S] tensor (a broadcast view where the input was shared);
+    [3, B, S] for mRoPE; zeros for per-token angles (no positions)."""
+    if args.angles == "token":
+        return torch.zeros((), dtype=torch.int64, device=args.q.device).expand(batch, seq)
     if args.pos is None:
         p = torch.arange(seq, device=args.q.device, dtype=torch.int64) + args.pos_offset
         return p.expand(batch, seq)
     p = args.pos.to(torch.int64)
+    if args.angles == "mrope":
+        if p.dim() == 2:  # [3, S] shared by the batch, or [3, T]
+            p = p.unsqueeze(1)
+        return p.expand(3, batch, seq)
     if p.dim() == 1:
         return p.expand(batch, seq)
     return p
 
 
 def cos_sin_rows(args: KernelArgs, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 (c, s) of shape positions.shape + [rotary_dim/2], honouring SPEC for any position.
+    """float32 (c, s) of shape [B, S, rotary_dim/2] (positions from ``positions_bs``), honouring
+    the spec for any position and every angle source.
 
     Rows inside the table are gathered from it; other positions are computed on the fly from
     ``freq_turns`` (exact fixed-point angle), or are NaN with caller tables. No host sync.
     """
+    half = args.rotary_dim // 2
+    if args.angles == "token":
+        batch, seq = positions.shape
+        return (args.cos.to(torch.float32).expand(batch, seq, half),
+                args.sin.to(torch.float32).expand(batch, seq, half))
+    if args.angles == "mrope":
+        from ._mrope import mrope_axes
+
+        axes = mrope_axes(args.mrope_section, args.mrope_interleaved).to(positions.device)
+        positions = positions[axes].permute(1, 2, 0)  # [B, S, r/2]: frequency i's position
+        column = torch.arange(half, device=positions.device).expand_as(positions)
+    else:
+        positions = positions.unsqueeze(-1)  # [B, S, 1]
+        column = None
     n_rows = args.cos.shape[0]
     in_table = (positions >= 0) & (positions < n_rows)
     index = torch.where(in_table, positions, torch.zeros_like(positions))
     if n_rows == 0:
-        c = torch.zeros(*positions.shape, args.rotary_dim // 2, device=positions.device)
+        c = torch.zeros(*positions.shape[:-1], half, device=positions.device)
         s = c
+    elif column is None:
+        c = args.cos[index.squeeze(-1)].to(torch.float32)
+        s = args.sin[index.squeeze(-1)].to(torch.float32)
     else:
-        c = args.cos[index]
-        s = args.sin[index]
+        c = args.cos[index, column].to(torch.float32)
+        s = args.sin[index, column].to(torch.float32)
     if args.freq_turns is None:
         fill_c = fill_s = torch.full((), float("nan"), device=positions.device)
     else:
         fill_c, fill_s = cos_sin_on_the_fly(positions, args.freq_turns, args.attention_factor)
-    mask = in_table.unsqueeze(-1)
-    return torch.where(mask, c, fill_c), torch.where(mask, s, fill_s)
+    return torch.where(in_table, c, fill_c), torch.where(in_table, s, fill_s)
 
 
 def cos_sin_on_the_fly(
@@ -239,10 +289,11 @@ def cos_sin_on_the_fly(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """m*cos and m*sin of p * inv_freq from fixed-point turns, float32, accurate to ~3e-7 rad.
 
-    The wrapping int64 product p * freq_turns is the angle as a signed 64-bit fraction of a turn;
-    its top 32 bits, as a signed int32, give turns in [-1/2, 1/2) with 2^-32 resolution.
+    ``positions``: [..., 1] (one per token) or [..., r/2] (one per frequency, mRoPE). The wrapping
+    int64 product p * freq_turns is the angle as a signed 64-bit fraction of a turn; its top 32
+    bits, as a signed int32, give turns in [-1/2, 1/2) with 2^-32 resolution.
     """
-    turns64 = positions.to(torch.int64).unsqueeze(-1) * freq_turns
+    turns64 = positions.to(torch.int64) * freq_turns
     top = torch.bitwise_right_shift(turns64, 32)  # arithmetic shift: signed turns * 2^32
     angle = top.to(torch.float32) * (2.0 * torch.pi / 2.0**32)
     return torch.cos(angle) * attention_factor, torch.sin(angle) * attention_factor

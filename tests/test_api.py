@@ -105,12 +105,14 @@ def test_op_registration_passes_opcheck():
     rope = rope_ops.RotaryEmbedding(16, max_position=32)
     cos, sin, turns, factor = rope.tables(torch.device("cpu"))
     torch.library.opcheck(torch.ops.rope_ops.rope.default,
-                          (q, k, pos, 0, cos, sin, turns, factor, "bshd", 16, False, False, False, "torch"))
+                          (q, k, pos, 0, cos, sin, turns, factor, "bshd", 16, False, False, "table", [], False,
+                           False, "torch"))
     torch.library.opcheck(torch.ops.rope_ops.rope.default,
-                          (q, None, None, 3, cos, sin, None, 1.0, "bshd", 16, True, True, True, "torch"))
+                          (q, None, None, 3, cos, sin, None, 1.0, "bshd", 16, True, True, "table", [], False,
+                           True, "torch"))
     torch.library.opcheck(torch.ops.rope_ops.rope_.default,
                           (q.clone(), k.clone(), pos, 0, cos, sin, turns, factor, "bshd", 16, False,
-                           True, False, "torch"))
+                           True, "table", [], False, False, "torch"))
 
 
 def test_fast_path_repeats_checks_that_depend_on_values():

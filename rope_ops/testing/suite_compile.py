@@ -229,7 +229,8 @@ class CompileTests:
         pos = torch.randint(0, 32, (2, 8), device=device)
         cos, sin, turns, factor = rope.tables(q.device)
         q_out, k_out = torch.ops.rope_ops.rope(q, k, pos, 0, cos, sin, turns, factor, "bshd", 64,
-                                               False, False, False, backend_name)
+                                               False, False, "table", [], False, False,
+                                               backend_name)
         storages = [t.untyped_storage().data_ptr() for t in (q, k, q_out, k_out)]
         assert len(set(storages)) == 4, storages
         expected_q, expected_k = rope_ops.apply(q, k, pos, rope=rope, backend=backend_name)
