@@ -104,9 +104,9 @@ def check_outputs(q, k, q_out, k_out) -> None:
             raise RopeError(f"out: the output for {name} requires grad; out= does not record a backward")
     outs = [t for t in (q_out, k_out) if t is not None]
     ins = [t for t in (q, k) if t is not None]
-    for o in outs:
-        for other in outs + ins:
-            if other is not o and may_overlap(o, other):
+    for i, o in enumerate(outs):
+        for other in outs[i + 1:] + ins:
+            if may_overlap(o, other):
                 raise RopeError("out: outputs overlap each other or an input; give separate memory "
                                 "(or use inplace=True)")
 

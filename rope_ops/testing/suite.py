@@ -32,6 +32,7 @@ from .cases import Case, Inputs, make_inputs, standard_cases
 from .checks import assert_bitwise_equal, assert_rope_close
 from .suite_compile import CompileTests
 from .suite_training import TrainingTests
+from .suite_variants import VariantTests
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _CASES = standard_cases()
@@ -52,7 +53,7 @@ def _dtype_id(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-class RopeConformance(TrainingTests, CompileTests):
+class RopeConformance(TrainingTests, CompileTests, VariantTests):
     """Subclass and set ``backend`` (or pass --rope-backend / ROPE_OPS_TEST_BACKEND)."""
 
     backend: str | None = None

@@ -45,6 +45,12 @@ _VARIANTS = {
     "dynamic_seq_len": ({"scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position": 16,
                          "seq_len": 100}, (2, 5, 4, 32), 2, "bs", False),
     "caller_tables": ({"cos_sin": "tables"}, (2, 5, 4, 32), 2, "bs", False),
+    "caller_tables_bf16_cache": ({"cos_sin": "cache_bf16"}, (2, 5, 4, 32), 2, "bs", False),
+    "per_token_tables": ({"cos_sin": "per_token"}, (2, 5, 4, 32), 2, None, False),
+    "mrope": ({"mrope_section": (4, 6, 6)}, (2, 5, 4, 32), 2, "3bs", False),
+    "mrope_interleaved_grad": ({"mrope_section": (4, 6, 6), "mrope_interleaved": True},
+                               (2, 5, 4, 32), 2, "3bs", True),
+    "out": ({"out": "buffers"}, (2, 5, 4, 32), 2, "bs", False),
     "inplace": ({"inplace": True}, (2, 5, 4, 32), 2, "bs", False),
     "grad": ({}, (2, 5, 4, 32), 2, "bs", True),
     "grad_inplace": ({"inplace": True}, (2, 5, 4, 32), 2, "bs", True),
@@ -67,14 +73,20 @@ def _variant_inputs(name, dtype, device, seed=0):
         k = torch.randn(k_shape, generator=gen).to(dtype).to(device)
     batch, seq = {"bshd": (shape[0], shape[1]), "sbhd": (shape[1], shape[0]),
                   "bhsd": (shape[0], shape[2]), "thd": (1, shape[0])}[layout]
-    if isinstance(pos_kind, int):
+    if isinstance(pos_kind, int) or pos_kind is None:
         pos = pos_kind
     else:
-        size = {"bs": (batch, seq), "s": (seq,), "t": (seq,)}[pos_kind]
+        size = {"bs": (batch, seq), "s": (seq,), "t": (seq,), "3bs": (3, batch, seq)}[pos_kind]
         pos = torch.randint(0, 200, size, generator=gen).to(device)
+    r = kwargs.get("rotary_dim", shape[-1])
     if kwargs.get("cos_sin") == "tables":
-        r = kwargs.get("rotary_dim", shape[-1])
         angles = torch.rand(256, r // 2, generator=gen, dtype=torch.float64) * 6.3
+        kwargs["cos_sin"] = (angles.cos().float().to(device), angles.sin().float().to(device))
+    elif kwargs.get("cos_sin") == "cache_bf16":
+        angles = torch.rand(256, r // 2, generator=gen, dtype=torch.float64) * 6.3
+        kwargs["cos_sin"] = torch.cat([angles.cos(), angles.sin()], -1).to(torch.bfloat16).to(device)
+    elif kwargs.get("cos_sin") == "per_token":
+        angles = torch.rand(batch, seq, r // 2, generator=gen, dtype=torch.float64) * 6.3
         kwargs["cos_sin"] = (angles.cos().float().to(device), angles.sin().float().to(device))
     return q, k, pos, kwargs, grad
 
@@ -127,28 +139,38 @@ class CompileTests:
         if grad and not backend_obj.supports_backward:
             pytest.skip("backend has no backward")
         fn = rope_ops.apply_grad if grad else rope_ops.apply
+        with_out = kwargs.pop("out", None) is not None
 
-        def call(q, k, pos):
-            return fn(q, k, pos, backend=backend_name, **kwargs)
+        def call(q, k, pos, q_out=None, k_out=None):
+            extra = {"out": (q_out, k_out)} if with_out else {}
+            return fn(q, k, pos, backend=backend_name, **kwargs, **extra)
 
         compiled = torch.compile(call, fullgraph=True, backend="aot_eager", dynamic=False)
         for seed in (1, 2):  # the second round has other shapes: a recompile, still one graph
             if seed == 2:
                 q = torch.cat([q, q], dim=0)
                 k = None if k is None else torch.cat([k, k], dim=0)
-                if isinstance(pos, torch.Tensor) and pos.dim() == 2 and kwargs.get("layout") != "sbhd":
+                if kwargs.get("mrope_section") is not None:
+                    pos = torch.cat([pos, pos], dim=1)
+                elif isinstance(pos, torch.Tensor) and pos.dim() == 2 and kwargs.get("layout") != "sbhd":
                     pos = torch.cat([pos, pos], dim=0)
                 elif isinstance(pos, torch.Tensor) and (kwargs.get("layout") == "sbhd" or q.dim() == 3):
                     pos = torch.cat([pos, pos], dim=0)
+                if isinstance(kwargs.get("cos_sin"), tuple) and kwargs["cos_sin"][0].dim() == 3:
+                    kwargs["cos_sin"] = tuple(torch.cat([t, t], dim=0) for t in kwargs["cos_sin"])
             eager_q, eager_k = q.clone(), None if k is None else k.clone()
             compiled_q, compiled_k = q.clone(), None if k is None else k.clone()
-            want = call(eager_q, eager_k, pos)
-            got = compiled(compiled_q, compiled_k, pos)
+            outs = [(torch.empty_like(q), None if k is None else torch.empty_like(k))
+                    if with_out else (None, None) for _ in range(2)]
+            want = call(eager_q, eager_k, pos, *outs[0])
+            got = compiled(compiled_q, compiled_k, pos, *outs[1])
             assert_bitwise_equal(got[0], want[0], f"{variant}: q compiled vs eager")
             if k is not None:
                 assert_bitwise_equal(got[1], want[1], f"{variant}: k compiled vs eager")
             if kwargs.get("inplace"):
                 assert_bitwise_equal(compiled_q, eager_q, f"{variant}: q written in place")
+            if with_out:
+                assert got[0] is outs[1][0], f"{variant}: compiled out= did not return the out tensor"
         torch._dynamo.reset()
 
     @pytest.mark.parametrize("mode", ["dynamic", "automatic", "mark_dynamic"])
