@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import textwrap
 
@@ -127,12 +128,24 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                        help="CPU threads (torch.set_num_threads; default: torch's)")
     bench.add_argument("--no-host", action="store_true",
                        help="skip host time per eager call (W2, W4; GPU only)")
-    bench.add_argument("--json", metavar="PATH", help="write every result as JSON")
+    bench.add_argument("--json", metavar="PATH", help="write every result as JSON (rewritten after each case)")
+    bench.add_argument("--render", metavar="PATHS",
+                       help="run nothing: read results JSON file(s) of earlier runs (a comma list is merged "
+                            "into one report) and print / write them (--markdown, --png, --json)")
     bench.add_argument("--markdown", metavar="PATH",
                        help="write the results file: platform, versions, commit, date, method, tables")
     bench.add_argument("--png", metavar="PATH",
                        help="write a chart (needs matplotlib: pip install 'rope_ops[bench]')")
     return parser, {"info": info, "bench": bench}
+
+
+def _check_png(args, parser: argparse.ArgumentParser) -> None:
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--png needs matplotlib, which is not installed: pip install 'rope_ops[bench]' "
+                         "(the [bench] extra)")
 
 
 def _split(text: str) -> list[str]:
@@ -176,12 +189,6 @@ def bench_options(args, parser: argparse.ArgumentParser):
         wanted = list(providers_mod.GPU_DEFAULT if device.type == "cuda" else providers_mod.CPU_DEFAULT)
     if args.candidates and device.type != "cuda":
         parser.error("--candidates: kernel candidates are the cuda and triton backends'; they need a CUDA device")
-    if args.png:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error("--png needs matplotlib, which is not installed: pip install 'rope_ops[bench]' "
-                         "(the [bench] extra)")
     out = []
     for case in cases:
         scale = args.scale or (32 if device.type == "cpu" and case.group != "cpu" else 1)
@@ -190,16 +197,42 @@ def bench_options(args, parser: argparse.ArgumentParser):
                    time_ms=args.time_ms, host=not args.no_host, candidates=args.candidates, threads=args.threads)
 
 
+def _load_results(paths: str, parser: argparse.ArgumentParser) -> dict:
+    from .bench.run import merge
+
+    parts = []
+    for path in _split(paths):
+        try:
+            with open(path) as f:
+                parts.append(json.load(f))
+        except (OSError, ValueError) as error:
+            parser.error(f"--render: cannot read results from {path}: {error}")
+    if not parts:
+        parser.error("--render: no file given")
+    return merge(parts)
+
+
+def _write_json(path: str, results: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+
+
 def bench_main(args, parser: argparse.ArgumentParser) -> int:
-    options = bench_options(args, parser)
     from .bench import report
     from .bench.run import failures, run
 
-    results = run(options)
+    _check_png(args, parser)
+    if args.render:
+        results = _load_results(args.render, parser)
+    else:
+        options = bench_options(args, parser)
+        if args.json:
+            options.after_case = lambda partial: _write_json(args.json, partial)
+        results = run(options)
     print(report.render(results))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+        _write_json(args.json, results)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(report.markdown(results))

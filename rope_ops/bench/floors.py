@@ -50,7 +50,8 @@ def dependent_load_kernel(pos, cos, sin, src, dst, table_rows, heads, dim, rotar
     tl.store(dst + offsets, x, mask=mask)
 
 
-@triton.jit
+# Not specialized on values of 1 (MQA's one k head): both branches below must see the same types.
+@triton.jit(do_not_specialize=["seq", "q_heads", "k_heads", "q_sb", "q_ss", "q_sh", "k_sb", "k_ss", "k_sh"])
 def inplace_kernel(q, k, seq, q_heads, k_heads, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, q_chunks,
                    ROTARY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
@@ -76,6 +77,37 @@ def inplace_kernel(q, k, seq, q_heads, k_heads, q_sb, q_ss, q_sh, k_sb, k_ss, k_
 
 # (heads per program, warps) tried by the per-token floors
 HEAD_BLOCKS = ((1, 1), (2, 1), (4, 2), (8, 4), (16, 4), (32, 8))
+COPY_BLOCKS = (512, 1024, 2048, 4096)
+
+
+def launch_copy(src: torch.Tensor, dst: torch.Tensor, block: int) -> None:
+    """dst <- src, both contiguous and of the same dtype, in one launch."""
+    n = src.numel()
+    copy_kernel[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block, num_warps=4)
+
+
+def launch_dependent_load(pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, src: torch.Tensor,
+                          dst: torch.Tensor, rotary_dim: int, config) -> None:
+    """dst <- src ([T, H, D] contiguous) one token at a time, each token's store waiting for the
+    cos/sin row at its position (pos: int64 [T])."""
+    block_h, warps = config
+    tokens, heads, dim = src.shape
+    grid = (tokens, triton.cdiv(heads, block_h))
+    dependent_load_kernel[grid](pos, cos, sin, src, dst, cos.shape[0], heads, dim, rotary_dim // 2,
+                                BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(dim), num_warps=warps)
+
+
+def launch_inplace(q: torch.Tensor, k: torch.Tensor, layout: str, rotary_dim: int, config) -> None:
+    """Load and store back dims [0, rotary_dim) of every head of q and k (any strides, stride 1
+    on the last dim), in one launch."""
+    block_h, warps = config
+    q4, k4 = bshd_view(q, layout), bshd_view(k, layout)
+    batch, seq, q_heads, k_heads = q4.shape[0], q4.shape[1], q4.shape[2], k4.shape[2]
+    q_chunks = triton.cdiv(q_heads, block_h)
+    grid = (batch * seq, q_chunks + triton.cdiv(k_heads, block_h))
+    inplace_kernel[grid](q4, k4, seq, q_heads, k_heads, q4.stride(0), q4.stride(1), q4.stride(2),
+                         k4.stride(0), k4.stride(1), k4.stride(2), q_chunks, ROTARY=rotary_dim,
+                         BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(rotary_dim), num_warps=warps)
 
 
 def _best(make_closures, configs) -> tuple[float, str]:
@@ -92,47 +124,23 @@ def copy_kernel_time(n_bytes: int, device, n_sets: int) -> tuple[float, str]:
     words = max(1, n_bytes // 4)
     pairs = [(torch.randint(0, 1 << 30, (words,), dtype=torch.int32, device=device),
               torch.empty(words, dtype=torch.int32, device=device)) for _ in range(n_sets)]
-
-    def closures(block):
-        grid = (triton.cdiv(words, block),)
-        return [lambda s=s, d=d: copy_kernel[grid](s, d, words, BLOCK=block, num_warps=4) for s, d in pairs]
-
-    return _best(closures, (512, 1024, 2048, 4096))
+    return _best(lambda block: [lambda s=s, d=d: launch_copy(s, d, block) for s, d in pairs], COPY_BLOCKS)
 
 
 def dependent_load_time(case, sets, cos: torch.Tensor, sin: torch.Tensor) -> tuple[float, str]:
-    """(seconds, (heads per program, warps)) of the best dependent-load kernel on the case's tokens: data
-    of q's and k's heads side by side ([T, Hq + Hk, D], the same bytes), positions per token."""
-    heads, dim = case.q_heads + case.k_heads, case.head_dim
-    data = [(torch.randn(case.tokens, heads, dim, device=cos.device).to(case.torch_dtype),
-             torch.empty(case.tokens, heads, dim, device=cos.device, dtype=case.torch_dtype),
+    """(seconds, (heads per program, warps)) of the best dependent-load kernel on the case's
+    tokens: data of q's and k's heads side by side ([T, Hq + Hk, D], the same bytes), the
+    positions of the case's input sets."""
+    shape = (case.tokens, case.q_heads + case.k_heads, case.head_dim)
+    data = [(torch.randn(shape, device=cos.device).to(case.torch_dtype),
+             torch.empty(shape, device=cos.device, dtype=case.torch_dtype),
              s.positions.reshape(-1).contiguous()) for s in sets]
-    block_d = triton.next_power_of_2(dim)
-
-    def closures(config):
-        block_h, warps = config
-        grid = (case.tokens, triton.cdiv(heads, block_h))
-        return [lambda x=x, y=y, p=p: dependent_load_kernel[grid](
-                    p, cos, sin, x, y, cos.shape[0], heads, dim, case.rot // 2,
-                    BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps) for x, y, p in data]
-
-    return _best(closures, HEAD_BLOCKS)
+    return _best(lambda config: [lambda x=x, y=y, p=p: launch_dependent_load(p, cos, sin, x, y, case.rot, config)
+                                 for x, y, p in data], HEAD_BLOCKS)
 
 
 def inplace_floor_time(case, sets) -> tuple[float, str]:
-    """(seconds, (heads per program, warps)) of the best kernel that only loads and stores back the
-    rotary dims of q and k, at their strides, in one launch."""
-    views = [(bshd_view(s.q, case.layout), bshd_view(s.k, case.layout)) for s in sets]
-    batch, seq = views[0][0].shape[0], views[0][0].shape[1]
-    block_r = triton.next_power_of_2(case.rot)
-
-    def closures(config):
-        block_h, warps = config
-        q_chunks = triton.cdiv(case.q_heads, block_h)
-        grid = (batch * seq, q_chunks + triton.cdiv(case.k_heads, block_h))
-        return [lambda q=q, k=k: inplace_kernel[grid](
-                    q, k, seq, case.q_heads, case.k_heads, q.stride(0), q.stride(1), q.stride(2),
-                    k.stride(0), k.stride(1), k.stride(2), q_chunks, ROTARY=case.rot,
-                    BLOCK_H=block_h, BLOCK_R=block_r, num_warps=warps) for q, k in views]
-
-    return _best(closures, HEAD_BLOCKS)
+    """(seconds, (heads per program, warps)) of the best kernel that only loads and stores back
+    the rotary dims of the case's q and k, at their strides, in one launch."""
+    return _best(lambda config: [lambda s=s: launch_inplace(s.q, s.k, case.layout, case.rot, config)
+                                 for s in sets], HEAD_BLOCKS)

@@ -79,8 +79,15 @@ def make_positions(case: Case, gen: torch.Generator) -> tuple[torch.Tensor, torc
 
 
 def make_inputs(case: Case, device: torch.device, n_sets: int, seed: int = 0) -> list[InputSet]:
+    """``n_sets`` sets of random inputs, drawn on the device (large cases would take seconds on
+    the host); positions drawn on the host from the same seed whatever the device."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    data_gen = gen if device.type == "cpu" else torch.Generator(device=device).manual_seed(seed)
     dtype = case.torch_dtype
+
+    def randn(shape):
+        return torch.randn(shape, generator=data_gen, device=device, dtype=dtype)
+
     sets = []
     for _ in range(n_sets):
         hq, hk, d = case.q_heads, case.k_heads, case.head_dim
@@ -88,18 +95,16 @@ def make_inputs(case: Case, device: torch.device, n_sets: int, seed: int = 0) ->
         if case.packed:
             if case.layout not in ("thd", "bshd"):
                 raise ValueError(f"{case.name}: packed QKV views need the thd or bshd layout")
-            full = layout_shape(case.layout, case.batch, case.seq, hq + 2 * hk, d)
-            qkv = torch.randn(full, generator=gen).to(device, dtype)
+            qkv = randn(layout_shape(case.layout, case.batch, case.seq, hq + 2 * hk, d))
             q = qkv.narrow(_HEAD_AXIS[case.layout], 0, hq)
             k = qkv.narrow(_HEAD_AXIS[case.layout], hq, hk)
         else:
-            q = torch.randn(layout_shape(case.layout, case.batch, case.seq, hq, d), generator=gen).to(device, dtype)
-            k = torch.randn(layout_shape(case.layout, case.batch, case.seq, hk, d), generator=gen).to(device, dtype)
+            q = randn(layout_shape(case.layout, case.batch, case.seq, hq, d))
+            k = randn(layout_shape(case.layout, case.batch, case.seq, hk, d))
         pos, every = make_positions(case, gen)
         gq = gk = None
         if case.train:
-            gq = torch.randn(q.shape, generator=gen).to(device, dtype)
-            gk = torch.randn(k.shape, generator=gen).to(device, dtype)
+            gq, gk = randn(q.shape), randn(k.shape)
         sets.append(InputSet(q, k, pos.to(device), every.to(device), gq, gk, qkv))
     return sets
 

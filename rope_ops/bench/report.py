@@ -120,8 +120,9 @@ def platform_line(results: dict) -> str:
                  f"CUDA {env['cuda']}")
     else:
         where = f"{env['cpu']}, {env['threads']} threads (torch.get_num_threads) of {env['cpu_count']} CPUs"
+    note = f" ({env['note']})" if env.get("note") else ""
     return (f"{where}; {versions}; python {env['python']}; rope_ops {env['rope_ops']} commit {env['commit']}; "
-            f"{env['date']}")
+            f"{env['date']}{note}")
 
 
 def method_lines(results: dict) -> list[str]:

@@ -4,7 +4,6 @@ time; kernel candidates. Progress (one line per case, with an ETA) goes to stder
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import platform
 import subprocess
@@ -34,6 +33,7 @@ class Options:
     candidates: bool = False  # time kernel candidates instead of providers
     threads: int | None = None
     progress: object = field(default_factory=lambda: sys.stderr)
+    after_case: object = None  # called with the results so far after each case (saving them)
 
 
 class Progress:
@@ -326,6 +326,8 @@ def run(opts: Options) -> dict:
             if modules:
                 results["candidates"] += candidate_entries(case, opts, modules)
             progress.case_done(case, time.perf_counter() - t0)
+            if opts.after_case:
+                opts.after_case(results)
         return results
     if device.type == "cuda":
         results["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
@@ -339,11 +341,32 @@ def run(opts: Options) -> dict:
         bad = [r["provider"] for r in rows if r["provider"].startswith("rope_ops:")
                and ("error" in r or str(r.get("check", "")).startswith("MISMATCH"))]
         progress.case_done(case, time.perf_counter() - t0, f"FAILED: {', '.join(bad)}" if bad else "")
+        if opts.after_case:
+            opts.after_case(results)
     if opts.host and device.type == "cuda":
         t0 = time.perf_counter()
         results["host"] = host_rows(opts)
         print(f"host time: {time.perf_counter() - t0:.1f} s", file=opts.progress, flush=True)
     return results
+
+
+def merge(parts: list[dict]) -> dict:
+    """Results of several runs (e.g. halves of the matrix) as one: the first run's environment,
+    every run's rows, host times and candidates."""
+    merged = dict(parts[0])
+    merged["rows"] = [row for part in parts for row in part.get("rows", [])]
+    merged["cases"] = {name: case for part in parts for name, case in part.get("cases", {}).items()}
+    for key in ("host", "candidates"):
+        if any(key in part for part in parts):
+            merged[key] = [item for part in parts for item in part.get(key, [])]
+    missing = {name: why for part in parts for name, why in part.get("candidates_missing", {}).items()}
+    if missing:
+        merged["candidates_missing"] = missing
+    bandwidths = sorted({round(p["copy_bandwidth_GBps"]) for p in parts if "copy_bandwidth_GBps" in p})
+    if len(bandwidths) > 1:
+        merged["environment"] = {**merged["environment"],
+                                 "note": f"merged from {len(parts)} runs, copy bandwidths {bandwidths} GB/s"}
+    return merged
 
 
 def failures(results: dict) -> list[str]:
