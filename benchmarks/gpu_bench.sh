@@ -14,7 +14,8 @@
 #   matrix-b    (host time with the second); then `render` merges them
 #   render      results-h200.md / .png from matrix.json, or from matrix_a.json + matrix_b.json
 #   candidates  every kernel candidate of the cuda and triton backends on every case:
-#               candidates.json, candidates.md
+#               candidates.json, candidates.md (Triton compiles each candidate: several minutes;
+#   candidates-cuda, candidates-triton: one backend each, candidates_<backend>.json / .md)
 #   workloads   W1-W5 and host time only (what tools/gpu_run.sh's bench phase runs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -96,6 +97,13 @@ for phase in "${phases[@]}"; do
         2>&1 | tee "$OUT/candidates.txt"
       [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
       ;;
+    candidates-cuda|candidates-triton)
+      backend=${phase#candidates-}
+      step "bench --candidates --providers $backend"
+      timeout "$(left)" python3 -m rope_ops bench --candidates --providers "$backend" \
+        --json "$OUT/candidates_$backend.json" --markdown "$OUT/candidates_$backend.md" 2>&1 | tee "$OUT/candidates_$backend.txt"
+      [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+      ;;
     workloads)
       step "bench (W1-W5, host time)"
       timeout "$(left)" python3 -m rope_ops bench --json "$OUT/workloads.json" --markdown "$OUT/workloads.md" \
@@ -103,7 +111,8 @@ for phase in "${phases[@]}"; do
       [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
       ;;
     *)
-      echo "unknown phase $phase (setup matrix matrix-a matrix-b render candidates workloads)"; status=2
+      echo "unknown phase $phase (setup matrix matrix-a matrix-b render candidates candidates-cuda" \
+           "candidates-triton workloads)"; status=2
       ;;
   esac
 done
