@@ -322,3 +322,34 @@ def test_supports_and_availability_report_exceptions_as_reasons(monkeypatch):
     monkeypatch.setattr(backend, "_probe", broken_probe)
     assert backend.availability() == ["ascend backend: MemoryError: probe"]
     assert registry.reasons(backend, None) == ["ascend backend: MemoryError: probe"]
+
+
+def test_kernels_take_float32_position_tables_and_leave_the_rest_to_the_other_tiers(monkeypatch):
+    """Variants the kernels do not implement (per-token cos/sin, mRoPE, fp16/bf16 tables) go to the
+    next tier with the reason, or are refused before writing when only the kernels are allowed."""
+    backend = _routed(monkeypatch, "kernels,torch", with_kernels=True)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 5, 3, 32, generator=gen)
+    angles = torch.rand(2, 5, 16, generator=gen, dtype=torch.float64) * 6
+    token_tables = (angles.cos().float(), angles.sin().float())
+    table = torch.rand(64, 16, generator=gen, dtype=torch.float64) * 6
+    half_tables = (table.cos().half(), table.sin().half())
+    pos = torch.randint(0, 64, (2, 5), generator=gen)
+    with registry.override({"ascend": backend, "torch": TorchBackend()}):
+        out, _ = rope_ops.apply(q, None, None, cos_sin=token_tables, backend="ascend")
+        assert backend.last_tier == "torch"
+        assert any("angles 'token'" in r for r in backend.last_reasons["kernels"]), backend.last_reasons
+        ref = rope_reference(q, None, layout="bshd", rotary_dim=32, style="neox", token_cos_sin=token_tables)
+        assert_rope_close(out, ref, q, rotary_dim=32, style="neox", what="per-token tables")
+        out, _ = rope_ops.apply(q, None, pos, cos_sin=half_tables, backend="ascend")
+        assert backend.last_tier == "torch"
+        assert any("float32 only" in r for r in backend.last_reasons["kernels"]), backend.last_reasons
+        ref = rope_reference(q, pos, layout="bshd", rotary_dim=32, style="neox", cos_sin=half_tables)
+        assert_rope_close(out, ref, q, rotary_dim=32, style="neox", what="fp16 tables")
+        rope_ops.apply(q, None, pos, cos_sin=(half_tables[0].float(), half_tables[1].float()), backend="ascend")
+        assert backend.last_tier == "kernels", backend.last_reasons
+        monkeypatch.setenv("ROPE_OPS_ASCEND_TIERS", "kernels")
+        q0 = q.clone()
+        with pytest.raises(BackendError, match="angles 'token'"):
+            rope_ops.apply(q, None, None, cos_sin=token_tables, inplace=True, backend="ascend")
+        assert torch.equal(q, q0)

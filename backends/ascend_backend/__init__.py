@@ -3,7 +3,8 @@
 1. ``kernels``: rope_ops' own Ascend C kernels (ascend_kernels/), when their library has been
    built on this machine and loads: ops ``torch.ops.rope_ops_ascend.rotary_embedding[_grad]``.
    Any layout, strides (stride 1 on head_dim), GQA, partial rotary, in place, any position
-   (out-of-table rows computed on the fly in the kernel), one launch for q and k.
+   (out-of-table rows computed on the fly in the kernel), one launch for q and k; contiguous
+   float32 tables indexed by position (other angle sources and table dtypes: the next tiers).
 2. ``npu_rotary_mul``: ``torch_npu.npu_rotary_mul`` (CANN's fused RotaryPositionEmbedding), only
    for calls inside its documented limits (limits.py, checked in Python first). rope_ops builds
    per-token cos/sin rows (``cos_sin_rows``: never reads outside the table), expands them to the
@@ -48,6 +49,7 @@ import torch
 from rope_ops import BackendError
 from rope_ops.backend import Backend, KernelArgs, RopeCall, bshd_view, cos_sin_rows, positions_bs
 
+from . import _kernel_call as kc
 from . import limits as _limits
 
 TIERS = ("kernels", "npu_rotary_mul", "torch")
@@ -214,6 +216,11 @@ class AscendBackend(Backend):
     priority = 20
     device_types = frozenset({"npu"})
     dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    # Every angle source and table dtype: the npu_rotary_mul and torch tiers take them all (their
+    # cos/sin rows come from rope_ops.backend.cos_sin_rows); the kernels take float32 tables
+    # indexed by position (KERNEL_ANGLES) and refuse the rest per call.
+    angle_kinds = frozenset({"table", "token", "mrope"})
+    table_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
     def __init__(self):
         self._env: _Env | None = None
@@ -337,10 +344,13 @@ class AscendBackend(Backend):
         env = self._probe()
         why = []
         if "kernels" in tiers:
+            kernel_why = kc.call_reasons(call.angles, call.table_dtype)
             if env.kernel_ops is None:
                 why.append(f"kernels: {env.kernel_status}")
             elif not call.last_dim_contiguous:
                 why.append("kernels: needs stride 1 on head_dim")
+            elif kernel_why:
+                why += kernel_why
             else:
                 return []
         if "npu_rotary_mul" in tiers:
@@ -436,10 +446,10 @@ class AscendBackend(Backend):
         elif env.kernel_ops is None:
             skipped["kernels"] = [env.kernel_status]
         else:
-            from . import _kernel_call as kc
-
-            views = kc.kernel_views(args)
-            why = kc.kernel_reasons(views, args.inverse, self._ub_size(), self._cores(args.q))
+            why = kc.call_reasons(args.angles, args.cos.dtype)
+            views = None if why else kc.kernel_views(args)
+            if views is not None:
+                why = kc.kernel_reasons(views, args.inverse, self._ub_size(), self._cores(args.q))
             if not why:
                 return "kernels", skipped, views
             skipped["kernels"] = why
@@ -470,7 +480,9 @@ class AscendBackend(Backend):
         heads = [hq] + ([args.k.shape[-2]] if args.k is not None else [])
         r = args.rotary_dim
         mode = "interleave" if args.interleaved else "half"
-        shared = args.pos is None or (args.pos.dim() == 1 and args.layout != "thd")
+        # cos/sin rows shared by the batch: positions given once for all sequences
+        shared = args.angles == "table" and (
+            args.pos is None or (args.pos.dim() == 1 and args.layout != "thd"))
         soc = self._soc_name(args.q)
         cores = self._cores(args.q)
         if b * s == 0:

@@ -77,6 +77,19 @@ def tiling_params(v: KernelViews, inverse: bool) -> dict:
     return p
 
 
+KERNEL_ANGLES = ("table",)  # the kernels' cos/sin source: positions -> table rows (or on the fly)
+
+
+def call_reasons(angles: str, table_dtype: torch.dtype) -> list[str]:
+    """Why the kernels cannot take calls of this angle source or table dtype (metadata only)."""
+    reasons = []
+    if angles not in KERNEL_ANGLES:
+        reasons.append(f"kernels: angles {angles!r} (the kernels read position-indexed tables)")
+    if table_dtype != torch.float32:
+        reasons.append(f"kernels: cos/sin tables of dtype {table_dtype} (float32 only)")
+    return reasons
+
+
 def kernel_reasons(v: KernelViews, inverse: bool, ub_size: int, core_num: int) -> list[str]:
     """Why the kernels cannot take this call (metadata only); empty: they can."""
     reasons = []
