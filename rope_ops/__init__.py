@@ -9,11 +9,12 @@ from ._api import apply, apply_grad, positions_from_seqlens, seq_len_of
 from ._errors import BackendError, RopeError
 from ._select import ENV_VAR, use_backend
 from .embedding import RotaryEmbedding
+from .prologue import qkv_prologue
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "apply", "apply_grad", "RotaryEmbedding", "RopeError", "BackendError", "use_backend",
+    "apply", "apply_grad", "qkv_prologue", "RotaryEmbedding", "RopeError", "BackendError", "use_backend",
     "positions_from_seqlens", "seq_len_of", "backend_names", "select_backend", "ENV_VAR",
 ]
 

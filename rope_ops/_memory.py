@@ -34,38 +34,56 @@ def byte_range(t: torch.Tensor) -> tuple[int, int]:
 
 def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two strided tensors may share a byte. Exact for the usual cases (disjoint address
-    ranges; slices of one packed QKV tensor); conservative (True) otherwise."""
+    ranges; slices of one packed QKV tensor along its heads axis, in any layout); conservative
+    (True) otherwise."""
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return False
     a0, a1 = byte_range(a)
     b0, b1 = byte_range(b)
     if a1 <= b0 or b1 <= a0:
         return False
+    disjoint = _disjoint_slices(a, b)
+    return True if disjoint is None else not disjoint
+
+
+def _disjoint_slices(a: torch.Tensor, b: torch.Tensor) -> bool | None:
+    """For two views with the same strides that differ only along one axis (as narrow() gives
+    from one tensor): whether they are disjoint (True), share elements (False), or None when
+    they are not of that form. They are disjoint when their ranges along that axis do not meet
+    and the view covering both (the same strides, that axis extended) has no two indices at
+    one address."""
     size = a.element_size()
-    if size != b.element_size() or a.dim() != b.dim() or a.dim() < 3 or a.stride()[:-2] != b.stride()[:-2]:
-        return True
-    # Same outer (token) strides, each tensor's rows inside one token's slot: compare the rows'
-    # offsets within the slot (packed QKV: q heads, then k heads, then v heads per token).
-    outer = [s * size for s, n in zip(a.stride()[:-2], a.shape[:-2]) if n > 1]
-    if not outer or min(outer) <= 0:
-        return True
-    slot = min(outer)
-    if any(s % slot for s in outer):
-        return True
-    span_a, span_b = inner_span(a) * size, inner_span(b) * size
-    if span_a > slot or span_b > slot:
-        return True
-    return ring_intersect(a0 % slot, span_a, b0 % slot, span_b, slot)
+    if a.dim() != b.dim() or a.stride() != b.stride() or size != b.element_size():
+        return None
+    delta = b.data_ptr() - a.data_ptr()
+    if delta % size:
+        return None
+    delta //= size
+    for axis in range(a.dim()):
+        stride = a.stride(axis)
+        if stride <= 0 or delta % stride:
+            continue
+        if any(a.shape[d] != b.shape[d] for d in range(a.dim()) if d != axis):
+            continue
+        start = delta // stride
+        if start < a.shape[axis] and start + b.shape[axis] > 0:
+            return False  # the same other indices meet along this axis: a shared element
+        combined = list(a.shape)
+        combined[axis] = max(a.shape[axis], start + b.shape[axis]) - min(0, start)
+        if not strides_overlap(combined, a.stride()):
+            return True
+    return None
 
 
-def inner_span(t) -> int:
-    """Elements spanned by one token's heads x head_dim (the last two dims)."""
-    return sum((n - 1) * abs(s) for n, s in zip(t.shape[-2:], t.stride()[-2:])) + 1
-
-
-def ring_intersect(a: int, la: int, b: int, lb: int, ring: int) -> bool:
-    d = (b - a) % ring
-    return d < la or (ring - d) < lb
+def strides_overlap(shape, strides) -> bool:
+    """Whether a view of this shape and these strides may give two indices one address
+    (conservative): sorted by stride, each dim must step past everything the smaller ones span."""
+    span = 0
+    for stride, size in sorted((abs(s), n) for n, s in zip(shape, strides) if n > 1):
+        if stride <= span:
+            return True
+        span += (size - 1) * stride
+    return False
 
 
 def has_internal_overlap(t: torch.Tensor) -> bool:
@@ -73,13 +91,7 @@ def has_internal_overlap(t: torch.Tensor) -> bool:
     status = torch._debug_has_internal_overlap(t)  # 0 no, 1 yes, 2 too hard for torch
     if status != 2:
         return status == 1
-    # Sorted by stride, each dim must step past everything the smaller dims span.
-    span = 0
-    for stride, size in sorted((abs(s), n) for n, s in zip(t.shape, t.stride()) if n > 1):
-        if stride <= span:
-            return True
-        span += (size - 1) * stride
-    return False
+    return strides_overlap(t.shape, t.stride())
 
 
 def check_outputs(q, k, q_out, k_out) -> None:

@@ -311,3 +311,136 @@ def bind(backend: Backend, cos, sin, freq_turns, attention_factor, layout, rotar
         return run_backend(backend, args, call)
 
     return rotate_bound
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused prologue (rope_ops.prologue): running a backend, and its ops for torch.compile.
+
+
+def run_prologue_backend(backend: Backend, args, call=None):
+    """Run the prologue's forward on ``backend``; returns (q, k, v): new tensors out of place,
+    views of qkv in place. Moves the version counters of what it wrote in place (qkv, caches)."""
+    from .prologue import _inplace_views
+
+    qkv = args.qkv
+    hq, hk, d = args.num_q_heads, args.num_kv_heads, args.head_dim
+    lead = tuple(qkv.shape[:-1])
+    if args.inplace:
+        outs = _inplace_views(qkv, args)
+    else:
+        outs = tuple(torch.empty(*lead, h, d, dtype=qkv.dtype, device=qkv.device) for h in (hq, hk, hk))
+        args = args._replace(q_out=outs[0], k_out=outs[1], v_out=outs[2])
+    if qkv.numel() == 0:
+        return outs
+    backend.run_prologue(args)
+    written = [t for t in ((qkv,) if args.inplace else ()) + (args.k_cache, args.v_cache) if t is not None]
+    for t in written:
+        if not t.is_inference():
+            torch.autograd.graph.increment_version(t)
+    if call is not None and not registry.is_builtin(backend.name) and (backend.name, call) not in _verified:
+        for name, out, heads in (("q", outs[0], hq), ("k", outs[1], hk), ("v", outs[2], hk)):
+            if out.shape != lead + (heads, d) or out.dtype != qkv.dtype:
+                raise BackendError(f"backend {backend.name!r} returned a {name} of shape "
+                                   f"{list(out.shape)}, {out.dtype}")
+        _verified.add((backend.name, call))
+    return outs
+
+
+def run_prologue_backward_backend(backend: Backend, args, grad_q, grad_k, grad_v, call=None):
+    """The prologue's backward on ``backend``: (grad_qkv, grad_q_weight, grad_k_weight)."""
+    if args.qkv.numel() == 0:
+        d = args.head_dim
+        return (torch.zeros_like(args.qkv),
+                None if args.q_weight is None else torch.zeros(d, device=args.qkv.device),
+                None if args.k_weight is None else torch.zeros(d, device=args.qkv.device))
+    grad_qkv, grad_qw, grad_kw = backend.run_prologue_backward(args, grad_q, grad_k, grad_v)
+
+    def like_weight(g, w):
+        return None if w is None else g.to(w.dtype)
+
+    return grad_qkv, like_weight(grad_qw, args.q_weight), like_weight(grad_kw, args.k_weight)
+
+
+_PROLOGUE_ARGS = ("Tensor? pos, SymInt pos_offset, Tensor cos, Tensor sin, Tensor? freq_turns, "
+                  "float attention_factor, str angles, int[] mrope_section, bool mrope_interleaved, "
+                  "str layout, int num_q_heads, int num_kv_heads, int head_dim, int rotary_dim, "
+                  "bool interleaved, bool rotate, Tensor? q_weight, Tensor? k_weight, float eps, "
+                  "float weight_offset")
+_CACHE_ARGS = ("Tensor(c!)? k_cache, Tensor(d!)? v_cache, Tensor? slots, float k_scale, "
+               "float v_scale, bool needs_grad, str backend")
+_LIB.define(f"qkv_prologue(Tensor qkv, {_PROLOGUE_ARGS}, {_CACHE_ARGS}) -> (Tensor, Tensor, Tensor)")
+_LIB.define(f"qkv_prologue_(Tensor(a!) qkv, {_PROLOGUE_ARGS}, {_CACHE_ARGS}) -> ()")
+_LIB.define(f"qkv_prologue_backward(Tensor qkv, Tensor? grad_q, Tensor? grad_k, Tensor? grad_v, "
+            f"{_PROLOGUE_ARGS}, str backend) -> (Tensor, Tensor, Tensor)")
+
+
+def _prologue_args(qkv, inplace, pos, pos_offset, cos, sin, freq_turns, attention_factor, angles,
+                   mrope_section, mrope_interleaved, layout, hq, hk, head_dim, rotary_dim,
+                   interleaved, rotate, q_weight, k_weight, eps, weight_offset, k_cache=None,
+                   v_cache=None, slots=None, k_scale=1.0, v_scale=1.0):
+    from .backend import PrologueArgs
+
+    return PrologueArgs(qkv, None, None, None, pos, pos_offset, cos, sin, freq_turns,
+                        attention_factor, layout, hq, hk, head_dim, rotary_dim, interleaved, rotate,
+                        q_weight, k_weight, eps, weight_offset, inplace, k_cache, v_cache, slots,
+                        k_scale, v_scale, angles, tuple(mrope_section) or None, mrope_interleaved)
+
+
+def _prologue_call(args, needs_grad):
+    return RopeCall(args.qkv.device.type, args.qkv.dtype, args.layout,
+                    "gptj" if args.interleaved else "neox", args.head_dim, args.rotary_dim,
+                    args.num_q_heads, args.num_kv_heads, args.inplace,
+                    None if args.pos is None else args.pos.dtype, args.rotate and args.freq_turns is None,
+                    needs_grad, True, args.angles, args.cos.dtype, "prologue",
+                    None if args.k_cache is None else args.k_cache.dtype)
+
+
+def _run_prologue_op(inplace, qkv, *rest):
+    *fields, needs_grad, request = rest
+    args = _prologue_args(qkv, inplace, *fields)
+    call = _prologue_call(args, needs_grad)
+    return run_prologue_backend(_select.select(call, request), args, call)
+
+
+@torch.library.impl(_LIB, "qkv_prologue", "CompositeExplicitAutograd")
+def _qkv_prologue_kernel(qkv, *rest):
+    q, k, v = _run_prologue_op(False, qkv, *rest)
+    return q, k, v
+
+
+@torch.library.register_fake("rope_ops::qkv_prologue")
+def _qkv_prologue_fake(qkv, pos, pos_offset, cos, sin, freq_turns, attention_factor, angles,
+                       mrope_section, mrope_interleaved, layout, hq, hk, head_dim, *rest):
+    lead = tuple(qkv.shape[:-1])
+    return tuple(qkv.new_empty(*lead, h, head_dim) for h in (hq, hk, hk))
+
+
+@torch.library.impl(_LIB, "qkv_prologue_", "CompositeExplicitAutograd")
+def _qkv_prologue_inplace_kernel(qkv, *rest):
+    _run_prologue_op(True, qkv, *rest)
+
+
+@torch.library.register_fake("rope_ops::qkv_prologue_")
+def _qkv_prologue_inplace_fake(qkv, *rest):
+    return None
+
+
+@torch.library.impl(_LIB, "qkv_prologue_backward", "CompositeExplicitAutograd")
+def _qkv_prologue_backward_kernel(qkv, grad_q, grad_k, grad_v, *rest):
+    *fields, request = rest
+    args = _prologue_args(qkv, False, *fields)
+    call = _prologue_call(args, True)
+    grad_qkv, gqw, gkw = run_prologue_backward_backend(_select.select(call, request), args, grad_q,
+                                                       grad_k, grad_v, call)
+    empty = qkv.new_empty(0)
+    return grad_qkv, empty if gqw is None else gqw, empty if gkw is None else gkw
+
+
+@torch.library.register_fake("rope_ops::qkv_prologue_backward")
+def _qkv_prologue_backward_fake(qkv, grad_q, grad_k, grad_v, pos, pos_offset, cos, sin, freq_turns,
+                                attention_factor, angles, mrope_section, mrope_interleaved, layout, hq,
+                                hk, head_dim, rotary_dim, interleaved, rotate, q_weight, k_weight,
+                                *rest):
+    empty = qkv.new_empty(0)
+    return (torch.empty_like(qkv), empty if q_weight is None else q_weight.new_empty(head_dim),
+            empty if k_weight is None else k_weight.new_empty(head_dim))

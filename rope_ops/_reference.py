@@ -104,3 +104,57 @@ def rope_reference(x: torch.Tensor, pos, *, layout: str, rotary_dim: int, style:
     out[..., first] = a * c - b * s
     out[..., second] = b * c + a * s
     return out
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                       weight_offset: float) -> torch.Tensor:
+    """Per-head RMSNorm over the last dim, float64: x / sqrt(mean(x^2) + eps) * (offset + w)."""
+    if weight is None:
+        return x
+    w = weight.detach().to("cpu", torch.float64) if not weight.requires_grad else weight.to(torch.float64)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (weight_offset + w)
+
+
+def prologue_reference(qkv: torch.Tensor, pos, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                       q_weight=None, k_weight=None, eps: float = 1e-6, weight_offset: float = 0.0,
+                       rotate: bool = True, rotary_dim: int, style: str, inv_freq=None,
+                       attention_factor: float = 1.0, cos_sin=None, token_cos_sin=None,
+                       mrope_section=None, mrope_interleaved=False):
+    """(q, k, v) in float64 on the CPU from the packed QKV projection output ``qkv``
+    ([T, (Hq + 2 Hk) * D] or [B, S, (Hq + 2 Hk) * D]): split per head, RMSNorm of q and k heads
+    with their weights (when given), rotation of q and k (when ``rotate``), v unchanged.
+
+    Differentiable (float64 autograd) in ``qkv`` and the weights when they require grad: the
+    conformance suite takes the backward's reference from it.
+    """
+    x = qkv.to("cpu", torch.float64) if qkv.requires_grad else qkv.detach().to("cpu", torch.float64)
+    heads = x.unflatten(-1, (num_q_heads + 2 * num_kv_heads, head_dim))
+    q, k, v = heads.split([num_q_heads, num_kv_heads, num_kv_heads], dim=-2)
+    q = rms_norm_reference(q, q_weight, eps, weight_offset)
+    k = rms_norm_reference(k, k_weight, eps, weight_offset)
+    if rotate:
+        layout = "thd" if qkv.dim() == 2 else "bshd"
+        kw = dict(layout=layout, rotary_dim=rotary_dim, style=style, inv_freq=inv_freq,
+                  attention_factor=attention_factor, cos_sin=cos_sin, token_cos_sin=token_cos_sin,
+                  mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
+        q, k = _rotate_differentiable(q, pos, **kw), _rotate_differentiable(k, pos, **kw)
+    return q, k, v
+
+
+def _rotate_differentiable(x, pos, *, layout, rotary_dim, style, **angles):
+    """rope_reference's rotation on a float64 tensor that may carry autograd history."""
+    positions = reference_positions(0 if angles.get("token_cos_sin") is not None else pos, layout,
+                                    tuple(x.shape), multi_axis=angles.get("mrope_section") is not None)
+    c, s = reference_cos_sin(positions, angles["inv_freq"], angles["attention_factor"],
+                             angles["cos_sin"], angles["token_cos_sin"], angles["mrope_section"],
+                             angles["mrope_interleaved"])
+    if layout == "thd":
+        c, s = c[0], s[0]
+    c, s = c.unsqueeze(-2), s.unsqueeze(-2)  # over heads
+    half = rotary_dim // 2
+    idx = torch.arange(half)
+    first, second = (idx, idx + half) if style == "neox" else (2 * idx, 2 * idx + 1)
+    a, b = x[..., first], x[..., second]
+    rotated = torch.empty_like(x[..., :rotary_dim])
+    rotated = rotated.index_copy(-1, first, a * c - b * s).index_copy(-1, second, b * c + a * s)
+    return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)

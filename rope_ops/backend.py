@@ -62,6 +62,8 @@ class RopeCall(NamedTuple):
     last_dim_contiguous: bool  # q and k have stride 1 on the head_dim axis
     angles: str = "table"  # where angles come from: see KernelArgs.angles
     table_dtype: torch.dtype = torch.float32  # dtype of cos/sin (caller tables may be fp16/bf16)
+    op: str = "rope"  # "rope" (apply) or "prologue" (qkv_prologue: PrologueArgs)
+    cache_dtype: torch.dtype | None = None  # prologue: the KV cache's dtype, None without a cache
 
 
 class KernelArgs(NamedTuple):
@@ -107,6 +109,55 @@ class KernelArgs(NamedTuple):
     mrope_interleaved: bool = False
 
 
+class PrologueArgs(NamedTuple):
+    """One fused prologue call (rope_ops.qkv_prologue), validated.
+
+    The input is the QKV projection's output; its heads are q (num_q_heads), then k and v
+    (num_kv_heads each), each of head_dim. Per head of q and k: RMSNorm with float32 statistics,
+    ``x * rsqrt(mean(x^2) + eps) * (weight_offset + weight)`` where a weight is given; then, with
+    ``rotate``, the rotation of KernelArgs (same angle fields); everything in float32, rounded once
+    to the output dtype (and, for a float8 cache, once to float8 of value / scale).
+    """
+
+    qkv: torch.Tensor  # [T, W] (layout "thd") or [B, S, W] ("bshd"); stride 1 along W
+    q_out: torch.Tensor | None  # [T, Hq, D] / [B, S, Hq, D] (any strides); None in place
+    k_out: torch.Tensor | None
+    v_out: torch.Tensor | None
+    pos: torch.Tensor | None  # as KernelArgs.pos for the layout
+    pos_offset: int
+    cos: torch.Tensor  # as KernelArgs.cos (0 rows when not rotating)
+    sin: torch.Tensor
+    freq_turns: torch.Tensor | None
+    attention_factor: float
+    layout: str
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    interleaved: bool
+    rotate: bool
+    q_weight: torch.Tensor | None  # [D], any float dtype
+    k_weight: torch.Tensor | None
+    eps: float
+    weight_offset: float
+    inplace: bool  # write q and k heads into qkv (v untouched)
+    k_cache: torch.Tensor | None  # [num_slots, Hk, D]; qkv's dtype or float8_e4m3fn
+    v_cache: torch.Tensor | None
+    slots: torch.Tensor | None  # [T] / [B, S] int: each token's slot; outside [0, num_slots): skip
+    k_scale: float  # float8 cache: it holds value / scale
+    v_scale: float
+    angles: str = "table"
+    mrope_section: tuple[int, int, int] | None = None
+    mrope_interleaved: bool = False
+
+    def rotation(self, x: torch.Tensor) -> KernelArgs:
+        """The KernelArgs of rotating ``x`` (a [B, S, H, D] or [T, H, D] view) like this call."""
+        return KernelArgs(x, None, None, None, self.pos, self.pos_offset, self.cos, self.sin,
+                          self.freq_turns, self.attention_factor, self.layout, self.rotary_dim,
+                          self.interleaved, False, False, self.angles, self.mrope_section,
+                          self.mrope_interleaved)
+
+
 class Backend:
     """Base class with declarative capabilities; subclasses override what differs."""
 
@@ -133,6 +184,10 @@ class Backend:
     # Angle sources it implements (KernelArgs.angles) and table dtypes it reads.
     angle_kinds: ClassVar[frozenset[str]] = frozenset({"table"})
     table_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset({torch.float32})
+    # The fused prologue (rope_ops.qkv_prologue): run_prologue / run_prologue_backward, and the
+    # KV-cache dtypes it writes (besides the input's own dtype).
+    supports_prologue: ClassVar[bool] = False
+    prologue_cache_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset()
     # Out of place, a backend that allocates its own outputs (saving the Python-side allocation,
     # ~1 us each) gets q_out = k_out = None and returns (q_out, k_out) from run().
     allocates_outputs: ClassVar[bool] = False
@@ -169,11 +224,28 @@ class Backend:
         if call.table_dtype not in self.table_dtypes:
             reasons.append(f"cos/sin tables of dtype {call.table_dtype} not in "
                            f"{sorted(str(d) for d in self.table_dtypes)}")
+        if call.op == "prologue":
+            if not self.supports_prologue:
+                reasons.append("no fused prologue (qkv_prologue)")
+            elif call.cache_dtype not in (None, call.dtype) and call.cache_dtype not in self.prologue_cache_dtypes:
+                reasons.append(f"no KV-cache write in {call.cache_dtype}")
         return reasons
 
     def run(self, args: KernelArgs):
         """Write the rotation of args.q (args.k) into args.q_out (args.k_out) and return None;
         or, when ``allocates_outputs`` and args.q_out is None, return new (q_out, k_out)."""
+        raise NotImplementedError
+
+    def run_prologue(self, args: PrologueArgs):
+        """The fused prologue's forward: write q, k, v into args.q_out/k_out/v_out (out of place)
+        or the normalised, rotated q and k heads into args.qkv (in place), and, with a cache,
+        the rotated k and v into args.k_cache/v_cache at args.slots. See PrologueArgs."""
+        raise NotImplementedError
+
+    def run_prologue_backward(self, args: PrologueArgs, grad_q, grad_k, grad_v):
+        """Gradients of the prologue: (grad_qkv like args.qkv, grad of args.q_weight, grad of
+        args.k_weight), the weight gradients float32 [D] (None where that weight is None).
+        args.qkv is the forward's input; grads may be None (zero)."""
         raise NotImplementedError
 
     def bind(self, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved, inverse):
@@ -297,3 +369,112 @@ def cos_sin_on_the_fly(
     top = torch.bitwise_right_shift(turns64, 32)  # arithmetic shift: signed turns * 2^32
     angle = top.to(torch.float32) * (2.0 * torch.pi / 2.0**32)
     return torch.cos(angle) * attention_factor, torch.sin(angle) * attention_factor
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused prologue in plain torch ops (float32 math): the torch backend's implementation, and
+# a correct path any backend may run for what its kernels do not cover.
+
+
+def _split_heads(args: PrologueArgs, x: torch.Tensor):
+    heads = x.unflatten(-1, (args.num_q_heads + 2 * args.num_kv_heads, args.head_dim))
+    return heads.split([args.num_q_heads, args.num_kv_heads, args.num_kv_heads], dim=-2)
+
+
+def _rotate_float(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, args: PrologueArgs) -> torch.Tensor:
+    """x (float, [.., H, D]) rotated by (c, s) [.., 1, r/2]; pass-through dims unchanged."""
+    r = args.rotary_dim
+    if args.interleaved:
+        a, b = x[..., 0:r:2], x[..., 1:r:2]
+    else:
+        a, b = x[..., : r // 2], x[..., r // 2: r]
+    ra, rb = a * c - b * s, b * c + a * s
+    rotated = torch.stack([ra, rb], dim=-1).flatten(-2) if args.interleaved else torch.cat([ra, rb], dim=-1)
+    return torch.cat([rotated, x[..., r:]], dim=-1)
+
+
+def _prologue_angles(args: PrologueArgs, like: torch.Tensor):
+    """float32 (c, s) broadcastable over heads: [B, S, 1, r/2] ([T, 1, r/2] for thd)."""
+    view = like.unsqueeze(0) if args.layout == "thd" else like  # [B, S, H, D]
+    rot = args.rotation(like)
+    c, s = cos_sin_rows(rot, positions_bs(rot, view.shape[0], view.shape[1]))
+    if args.layout == "thd":
+        c, s = c[0], s[0]
+    return c.unsqueeze(-2), s.unsqueeze(-2)
+
+
+def _norm(x: torch.Tensor, weight, args: PrologueArgs):
+    """(normalised x, rstd) in float32, or (x, None) without a weight."""
+    if weight is None:
+        return x, None
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + args.eps)
+    return x * rstd * (args.weight_offset + weight.to(x.dtype)), rstd
+
+
+def prologue_forward_torch(args: PrologueArgs) -> None:
+    """PrologueArgs' forward in torch ops; writes the outputs (and the cache)."""
+    compute = torch.float64 if args.qkv.dtype == torch.float64 else torch.float32
+    q, k, v = _split_heads(args, args.qkv)
+    c = s = None
+    if args.rotate:
+        c, s = _prologue_angles(args, q)
+        c, s = c.to(compute), s.to(compute)
+    done = []
+    for x, weight in ((q, args.q_weight), (k, args.k_weight)):
+        y, _ = _norm(x.to(compute), weight, args)
+        if args.rotate:
+            y = _rotate_float(y, c, s, args)
+        done.append(y)
+    if args.inplace:
+        q.copy_(done[0])
+        k.copy_(done[1])
+    else:
+        args.q_out.copy_(done[0])
+        args.k_out.copy_(done[1])
+        args.v_out.copy_(v)
+    if args.k_cache is not None:
+        slots = args.slots.reshape(-1).to(torch.int64)
+        keep = (slots >= 0) & (slots < args.k_cache.shape[0])
+        index = slots[keep]
+        for cache, values, scale in ((args.k_cache, done[1], args.k_scale),
+                                     (args.v_cache, v.to(compute), args.v_scale)):
+            flat = values.reshape(-1, *values.shape[-2:])[keep]
+            stored = (flat / scale if scale != 1.0 else flat).to(cache.dtype)
+            if cache.element_size() == 1:  # float8: index_copy_ has no float8 kernel; move bytes
+                cache.view(torch.uint8).index_copy_(0, index, stored.view(torch.uint8))
+            else:
+                cache.index_copy_(0, index, stored)
+
+
+def prologue_backward_torch(args: PrologueArgs, grad_q, grad_k, grad_v):
+    """PrologueArgs' backward in torch ops: (grad_qkv, grad_q_weight, grad_k_weight)."""
+    compute = torch.float64 if args.qkv.dtype == torch.float64 else torch.float32
+    q, k, _ = _split_heads(args, args.qkv)
+    c = s = None
+    if args.rotate:
+        c, s = _prologue_angles(args, q)
+        c, s = c.to(compute), s.to(compute)
+    grads, weight_grads = [], []
+    for x, weight, g in ((q, args.q_weight, grad_q), (k, args.k_weight, grad_k)):
+        if g is None:
+            grads.append(torch.zeros(x.shape, dtype=compute, device=x.device))
+            weight_grads.append(None if weight is None else torch.zeros(args.head_dim, device=x.device))
+            continue
+        g = g.to(compute)
+        if args.rotate:
+            g = _rotate_float(g, c, -s, args)  # the rotation's transpose: by minus the angle
+        if weight is None:
+            grads.append(g)
+            weight_grads.append(None)
+            continue
+        xf = x.to(compute)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + args.eps)
+        n = xf * rstd
+        reduce_dims = tuple(range(g.dim() - 1))
+        weight_grads.append((g * n).sum(dim=reduce_dims).to(torch.float32))
+        gn = g * (args.weight_offset + weight.to(compute))
+        grads.append(rstd * (gn - n * (gn * n).mean(-1, keepdim=True)))
+    v_shape = q.shape[:-2] + (args.num_kv_heads, args.head_dim)
+    gv = torch.zeros(v_shape, dtype=compute, device=q.device) if grad_v is None else grad_v.to(compute)
+    grad_qkv = torch.cat([grads[0], grads[1], gv], dim=-2).flatten(-2).to(args.qkv.dtype)
+    return grad_qkv, weight_grads[0], weight_grads[1]

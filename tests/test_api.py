@@ -168,3 +168,34 @@ def test_autograd_calls_reuse_a_plan_and_follow_grad_mode():
     assert qo2.grad_fn is None
     torch.testing.assert_close(qo, qo2, rtol=0, atol=0)
     assert any(key[0] == q0.shape and not key[-1] for key in rope._plans)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "sbhd", "bhsd", "thd"])
+def test_inplace_head_slices_of_one_packed_tensor_in_every_layout(layout):
+    """q and k as slices of one tensor along its heads axis are disjoint in every layout (the
+    overlap check follows the heads axis, wherever the layout puts it); overlapping slices and
+    slices along another axis that interleave are refused."""
+    shape = {"bshd": (2, 5, 8, 16), "sbhd": (5, 2, 8, 16), "bhsd": (2, 8, 5, 16), "thd": (5, 8, 16)}[layout]
+    axis = {"bshd": 2, "sbhd": 2, "bhsd": 1, "thd": 1}[layout]
+    packed = torch.randn(shape)
+    q, k = packed.narrow(axis, 0, 4), packed.narrow(axis, 4, 2)
+    pos = 0
+    before = packed.clone()
+    rope_ops.apply(q, k, pos, layout=layout, inplace=True)
+    want_q, want_k = rope_ops.apply(before.narrow(axis, 0, 4), before.narrow(axis, 4, 2), pos, layout=layout)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(packed.narrow(axis, 6, 2), before.narrow(axis, 6, 2))
+    with pytest.raises(RopeError, match="overlap"):
+        rope_ops.apply(packed.narrow(axis, 0, 4), packed.narrow(axis, 3, 2), pos, layout=layout, inplace=True)
+
+
+def test_overlap_is_judged_by_address_across_storages():
+    """numpy views of one buffer are separate torch storages over the same bytes."""
+    np = pytest.importorskip("numpy")
+    base = np.random.randn(2, 3, 8, 16).astype(np.float32)
+    q = torch.from_numpy(base[:, :, :4])
+    k = torch.from_numpy(base[:, :, 3:5])
+    before = base.copy()
+    with pytest.raises(RopeError, match="overlap"):
+        rope_ops.apply(q, k, 0, inplace=True)
+    assert (base == before).all()

@@ -31,6 +31,7 @@ from .._reference import rope_reference
 from .cases import Case, Inputs, make_inputs, standard_cases
 from .checks import assert_bitwise_equal, assert_rope_close
 from .suite_compile import CompileTests
+from .suite_prologue import PrologueTests
 from .suite_training import TrainingTests
 from .suite_variants import VariantTests
 
@@ -53,7 +54,7 @@ def _dtype_id(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-class RopeConformance(TrainingTests, CompileTests, VariantTests):
+class RopeConformance(TrainingTests, CompileTests, VariantTests, PrologueTests):
     """Subclass and set ``backend`` (or pass --rope-backend / ROPE_OPS_TEST_BACKEND)."""
 
     backend: str | None = None
