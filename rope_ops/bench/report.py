@@ -120,6 +120,12 @@ def platform_line(results: dict) -> str:
                  f"CUDA {env['cuda']}")
     else:
         where = f"{env['cpu']}, {env['threads']} threads (torch.get_num_threads) of {env['cpu_count']} CPUs"
+        loads = [x for x in (env.get("load_average"), env.get("load_average_end")) if x is not None]
+        if loads:
+            # the run's own threads count in the load at the end, not at the start
+            busy = loads[0] > 0.5 or (len(loads) > 1 and loads[1] > env["threads"] + 0.5)
+            where += (f", load average {' -> '.join(f'{x:g}' for x in loads)} (start -> end)"
+                      + ("; other processes competed for the CPUs" if busy else ""))
     note = f" ({env['note']})" if env.get("note") else ""
     return (f"{where}; {versions}; python {env['python']}; rope_ops {env['rope_ops']} commit {env['commit']}; "
             f"{env['date']}{note}")

@@ -114,13 +114,22 @@ def _driver_version() -> str | None:
         return None
 
 
+def _load_average() -> float | None:
+    """The 1-minute load average: above the thread count, other processes compete for the CPUs
+    (and CPU times are not what the code alone would give)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
 def environment(device: torch.device) -> dict:
     env = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": os.environ.get("ROPE_OPS_COMMIT") or _git_commit(),
            "rope_ops": rope_ops.__version__, "python": platform.python_version(), "torch": torch.__version__,
            "triton": _version("triton"), "transformers": _version("transformers"),
            "liger_kernel": _version("liger-kernel") or _version("liger_kernel"),
            "machine": platform.machine(), "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
-           "threads": torch.get_num_threads(), "device": device.type}
+           "threads": torch.get_num_threads(), "device": device.type, "load_average": _load_average()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda, driver=_driver_version(),
@@ -347,6 +356,7 @@ def run(opts: Options) -> dict:
         t0 = time.perf_counter()
         results["host"] = host_rows(opts)
         print(f"host time: {time.perf_counter() - t0:.1f} s", file=opts.progress, flush=True)
+    results["environment"]["load_average_end"] = _load_average()
     return results
 
 
