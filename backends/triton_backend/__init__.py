@@ -1,30 +1,27 @@
 """Triton backend of rope_ops: one launch for q and k, any layout through strides.
 
-Importing this module imports neither triton nor touches a device: triton and the kernels are
-imported on the first ``availability()`` / ``run()``. See NOTES.md for the kernel design.
+Importing this module imports neither triton nor touches a device: triton and the kernel are
+imported on the first ``availability()`` / ``run()``. NOTES.md explains the kernel and the launch
+policy.
 
 On CPU tensors the backend runs only under ``TRITON_INTERPRET=1`` (set before triton is imported),
 for tests; automatic selection never picks it there.
+
+Besides the backend, two functions for benchmark tooling, not part of rope_ops' API (labels and
+behaviour may change with the kernel): ``kernel_candidates(args)`` and ``run_with(args, label)``.
 """
 
 from __future__ import annotations
 
 import os
-from typing import ClassVar
+import re
+from typing import ClassVar, NamedTuple
 
 import torch
 
 from rope_ops.backend import Backend, KernelArgs, bshd_view
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-# Chunk size targets (elements of one head-chunk tile of one program).
-_SMALL_TOKENS = 512  # at most this many tokens: decode plan (one token per program, head grid)
-_TILE_ELEMS = 8192  # prefill tile: W1/W4/W5 (4, 16, 128) (H200 sweep: W1 85.2 us vs 86.4 us)
-_TILE_ELEMS_INPLACE = 4096  # in place (rotary dims only): W3 (4, 16, 64)
-_MAX_WASTE = 1.25  # padded heads / heads allowed for a wider chunk (W1: 16-head chunks, 1.2)
-_DECODE_BLOCK_H = 16  # decode head chunk: W2 -> 256 tokens x 3 chunks of [1, 16, 128], 2 warps
-_MAX_PLANS = 512
 
 
 def _next_pow2(n: int) -> int:
@@ -36,78 +33,356 @@ def _prev_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n.bit_length() - 1)
 
 
-def _warps_for(elems_half: int) -> int:
-    """num_warps so each thread holds ~8 elements of a half tile (a 16-byte bf16 vector per
-    half, two per head): fewer threads would serialize, more would split the vectors."""
-    return 1 << (max(1, min(8, elems_half // 256)).bit_length() - 1)
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
-def _pick_blocks(n_tokens: int, hq: int, hk: int, head_dim: int, rotary_dim: int,
-                 copy_pass: bool) -> tuple:
-    """(BLOCK_T, BLOCK_H, num_warps[, head_grid[, stream[, pdl]]]) for one shape class.
+# ---------------------------------------------------------------------------------------------
+# What the launch policy reads: the call's shape class and the device.
 
-    head_grid (default False): one program per (token block, head chunk) instead of one per
-    token block walking all chunks. stream (default False): streaming cache hints on the q/k
-    loads (.cg: not kept in L1) and stores (.cs: evict first). pdl (default False, GPU only):
-    programmatic dependent launch. The GPU check's sweep passes these tuples directly.
+
+class DeviceInfo(NamedTuple):
+    sm_count: int
+
+
+# The interpreter's stand-in for a GPU: small, so the tests' few dozen tokens reach both grids.
+_INTERPRETER_DEVICE = DeviceInfo(sm_count=2)
+_device_infos: dict[int, DeviceInfo] = {}
+
+
+def device_info(device: torch.device) -> DeviceInfo:
+    """The properties the policy uses, read once per device (they never change)."""
+    if device.type != "cuda":
+        return _INTERPRETER_DEVICE
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    info = _device_infos.get(index)
+    if info is None:
+        info = DeviceInfo(torch.cuda.get_device_properties(index).multi_processor_count)
+        _device_infos[index] = info
+    return info
+
+
+class CallShape(NamedTuple):
+    """The class of a call, as far as the launch policy cares."""
+
+    n_tokens: int
+    q_heads: int
+    k_heads: int  # 0 without k
+    head_dim: int
+    rotary_dim: int
+    elem_size: int  # bytes of one q/k element
+    inplace: bool
+
+
+def shape_of(args: KernelArgs) -> CallShape:
+    q4 = bshd_view(args.q, args.layout)
+    hk = 0 if args.k is None else bshd_view(args.k, args.layout).shape[2]
+    return CallShape(q4.shape[0] * q4.shape[1], q4.shape[2], hk, q4.shape[3], args.rotary_dim,
+                     args.q.element_size(), bool(args.inplace))
+
+
+class KernelConfig(NamedTuple):
+    """How one call is launched. head_grid False (token walk): a program per block of block_t
+    tokens, walking all their heads in chunks of block_hq q heads, then block_hk k heads. True
+    (head grid): a program per (token block, head chunk)."""
+
+    head_grid: bool
+    block_t: int
+    block_hq: int
+    block_hk: int
+    num_warps: int
+
+    def label(self) -> str:
+        kind = "grid" if self.head_grid else "walk"
+        return f"{kind} t{self.block_t} hq{self.block_hq} hk{self.block_hk} w{self.num_warps}"
+
+
+_LABEL = re.compile(r"(walk|grid) t(\d+) hq(\d+) hk(\d+) w(\d+)")
+
+
+def parse_label(label: str) -> KernelConfig:
+    m = _LABEL.fullmatch(label.strip()) if isinstance(label, str) else None
+    if m is None:
+        raise ValueError(f"not a triton kernel configuration label: {label!r} "
+                         f"(expected e.g. 'walk t4 hq16 hk8 w8')")
+    cfg = KernelConfig(m[1] == "grid", int(m[2]), int(m[3]), int(m[4]), int(m[5]))
+    for name, v in zip(("block_t", "block_hq", "block_hk"), cfg[1:4]):
+        if v < 1 or v > 256 or v & (v - 1):
+            raise ValueError(f"{label!r}: {name} must be a power of two in [1, 256], got {v}")
+    if cfg.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{label!r}: num_warps must be 1, 2, 4, 8 or 16, got {cfg.num_warps}")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# The launch policy: a pure function of the call's shape class and the device.
+
+# Bytes of q/k one chunk (the tile a program loads at once) moves: the measured H200 best of
+# W1 (4 tokens x 16 heads x 128 dims bf16; 8 KiB chunks were 1.4 % slower) for dense heads;
+# half that where a head moves only its rotary dims in place (W3 in place: 4 x 16 x 64 dims bf16
+# beat 8 x 16 x 64). Chunks are sized in bytes, not elements, so fp32 keeps the register
+# footprint (and the CTAs per SM) of bf16.
+CHUNK_BYTES = 16384
+CHUNK_BYTES_ROTARY_ONLY = 8192
+# Threads: one per 64 bytes of a chunk (two 16-byte vectors of x and of y): W1 8 warps, W2 2
+# (the H200 W2 sweep: 2 warps 3.45 us/call, 4 warps 3.76).
+CHUNK_BYTES_PER_THREAD = 64
+MAX_BLOCK_H = 16
+MAX_BLOCK_T = 32
+# A head chunk wider than the head count's power-of-two divisor pads lanes that load nothing;
+# allowed up to this share of padded heads (hq 28 -> chunks of 4, not 16 with 4 padded).
+MAX_HEAD_PADDING = 1.125
+# Token walk when it has at least this many programs per SM (a few waves of the ~3 resident);
+# fewer, and the head grid multiplies the programs by the chunk count.
+WALK_PROGRAMS_PER_SM = 4
+# Head grid: tokens per program halved until it has this many programs per SM, then (few-token
+# decode) heads per chunk halved until every SM has a program.
+GRID_PROGRAMS_PER_SM = 4
+
+
+def _heads_per_chunk(heads: int, cap: int) -> int:
+    """The widest power-of-two chunk <= cap whose padding stays within MAX_HEAD_PADDING."""
+    bh = _prev_pow2(max(1, min(cap, _next_pow2(heads))))
+    while bh > 1 and _cdiv(heads, bh) * bh > heads * MAX_HEAD_PADDING:
+        bh //= 2
+    return bh
+
+
+def _head_bytes(shape: CallShape) -> int:
+    """Bytes of one head of one token a program moves: the rotary dims in place, the whole head
+    out of place (the pass-through dims are copied)."""
+    dims = shape.rotary_dim if shape.inplace else shape.head_dim
+    return dims * shape.elem_size
+
+
+def _warps_for(chunk_bytes: int) -> int:
+    return max(1, min(8, _prev_pow2(chunk_bytes // (CHUNK_BYTES_PER_THREAD * 32))))
+
+
+def _programs(shape: CallShape, bt: int, bhq: int, bhk: int, head_grid: bool) -> int:
+    blocks = _cdiv(shape.n_tokens, bt)
+    if not head_grid:
+        return blocks
+    return blocks * (_cdiv(shape.q_heads, bhq) + _cdiv(shape.k_heads, bhk))
+
+
+def launch_policy(shape: CallShape, device: DeviceInfo, narrow_heads: bool = True) -> KernelConfig:
+    """The kernel configuration for a call. A chunk moves CHUNK_BYTES: heads per chunk the widest
+    power of two that pads little, then tokens to fill it. The token walk when its programs fill
+    the GPU; else the head grid, with fewer tokens per program (and, unless narrow_heads is
+    False, narrower chunks) until it has enough programs. Warps by chunk bytes."""
+    head_bytes = _head_bytes(shape)
+    rotary_only = shape.inplace and shape.rotary_dim < shape.head_dim
+    chunk = CHUNK_BYTES_ROTARY_ONLY if rotary_only else CHUNK_BYTES
+    cap = max(1, min(MAX_BLOCK_H, chunk // head_bytes))
+    bhq = _heads_per_chunk(shape.q_heads, cap)
+    bhk = _heads_per_chunk(shape.k_heads, cap) if shape.k_heads else 1
+    bt = _prev_pow2(max(1, min(MAX_BLOCK_T, chunk // (bhq * head_bytes),
+                               _next_pow2(shape.n_tokens))))
+    head_grid = _programs(shape, bt, bhq, bhk, False) < WALK_PROGRAMS_PER_SM * device.sm_count
+    if head_grid:
+        target = GRID_PROGRAMS_PER_SM * device.sm_count
+        while bt > 1 and _programs(shape, bt, bhq, bhk, True) < target:
+            bt //= 2
+        while narrow_heads and max(bhq, bhk) > 1 and \
+                _programs(shape, bt, bhq, bhk, True) < device.sm_count:
+            if bhq >= bhk:
+                bhq //= 2
+            else:
+                bhk //= 2
+    return KernelConfig(head_grid, bt, bhq, bhk, _warps_for(bt * bhq * head_bytes))
+
+
+def candidate_configs(shape: CallShape, device: DeviceInfo) -> list[KernelConfig]:
+    """The policy's choice, then its neighbours: tokens x2 and /2, heads x2 and /2 (tokens the
+    other way, same chunk bytes), warps x2 and /2, the other grid kind, and the head grid
+    without narrowed chunks."""
+    best = launch_policy(shape, device)
+    g, bt, bhq, bhk, w = best
+    raw = [best,
+           KernelConfig(g, bt * 2, bhq, bhk, w), KernelConfig(g, bt // 2, bhq, bhk, w),
+           KernelConfig(g, bt // 2, bhq * 2, bhk * 2, w),
+           KernelConfig(g, bt * 2, bhq // 2, bhk // 2, w),
+           KernelConfig(g, bt, bhq, bhk, w * 2), KernelConfig(g, bt, bhq, bhk, w // 2),
+           KernelConfig(not g, bt, bhq, bhk, w),
+           launch_policy(shape, device, narrow_heads=False)]
+    hq_max = min(2 * MAX_BLOCK_H, _next_pow2(shape.q_heads))
+    hk_max = min(2 * MAX_BLOCK_H, _next_pow2(max(1, shape.k_heads)))
+    t_max = max(bt, min(2 * MAX_BLOCK_T, _next_pow2(shape.n_tokens)))
+    out: list[KernelConfig] = []
+    for c in raw:
+        if (1 <= c.block_t <= t_max and 1 <= c.block_hq <= hq_max and 1 <= c.block_hk <= hk_max
+                and 1 <= c.num_warps <= 8 and c not in out):
+            out.append(c)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces: power-of-two tiles covering a head's rotary pairs and pass-through dims.
+
+
+def rotary_pieces(rotary_dim: int) -> tuple[int, int]:
+    """(ROT_A, ROT_B): pairs [0, A) and [A, A + B), B masked at R/2 (0: no second piece)."""
+    half = rotary_dim // 2
+    a = _prev_pow2(half)
+    return a, (_next_pow2(half - a) if half > a else 0)
+
+
+def pass_pieces(rotary_dim: int, head_dim: int) -> tuple[int, int, int]:
+    """(PASS_A, PASS_B, PASS_C): widths of tiles covering dims [R, D) one after the other, each
+    starting at a multiple of its width (so its accesses are as wide as the data allows); the
+    third, if needed, is masked at D. Zeros where fewer are needed."""
+    widths = []
+    off = rotary_dim
+    while off < head_dim and len(widths) < 2:
+        w = min(off & -off, _prev_pow2(head_dim - off))
+        widths.append(w)
+        off += w
+    if off < head_dim:
+        widths.append(_next_pow2(head_dim - off))
+    return tuple(widths + [0] * (3 - len(widths)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Launching.
+
+_triton_state: dict = {}
+
+
+def _kernels() -> dict:
+    """The kernel module and what launching needs from the installed triton (imported once)."""
+    if not _triton_state:
+        import triton
+
+        from . import kernels
+
+        direct = not _INTERPRET and os.environ.get("ROPE_OPS_TRITON_DIRECT", "1") != "0"
+        try:
+            runtime = triton.knobs.runtime  # the launch hooks (profilers) live here
+            stream = triton.runtime.driver.active.get_current_stream
+        except Exception:
+            direct, runtime, stream = False, None, None
+        _triton_state.update(kernels=kernels, libdevice=(not _INTERPRET) and kernels.libdevice is not None,
+                             direct=direct, runtime=runtime, stream=stream)
+    return _triton_state
+
+
+class _Launch:
+    """One compiled specialization of the kernel with its launch arguments: everything but the
+    tensors, the position offset and the attention factor, for one exact call class.
+
+    The first launch goes through triton's JIT (``kernel[grid](...)``), which compiles or finds
+    the kernel and returns it; later ones call that compiled kernel's launcher directly, as
+    triton's own ``CompiledKernel[grid]`` runner does, skipping triton's per-call argument
+    binding and specialization: the call class fixes both (shapes, strides, dtypes and the
+    16-byte alignment of every pointer are in the key). ROPE_OPS_TRITON_DIRECT=0 turns the
+    direct launch off; so does a launcher that refuses the arguments (before launching).
     """
-    half_p = _next_pow2(rotary_dim // 2)
-    rot_p = 2 * half_p
-    pass_p = _next_pow2(head_dim) if copy_pass else 0
-    per_head = rot_p + pass_p
-    heads = hq + hk
-    hmax = _next_pow2(max(hq, hk))
-    if n_tokens <= _SMALL_TOKENS:
-        # Latency-bound: the most parallelism, the shortest programs. One program per
-        # (token, chunk of <= 8 heads): each loads its chunk, then its position and cos/sin row,
-        # rotates and stores; W2 runs 768 programs of 4 warps. (With 8-head chunks and 2 warps the
-        # [1, 64] cos/sin row is loaded one element per thread and transposed through shared
-        # memory, 3 barriers on the latency path; with 128 threads it loads as 16-byte vectors.)
-        block_h = _prev_pow2(min(hmax, _DECODE_BLOCK_H, 4096 // per_head))
-        # Half the warps of a prefill tile: H200 sweep, W2 3.45 us with 2 warps, 3.76 with 4.
-        return 1, block_h, max(1, _warps_for(block_h * (half_p + pass_p // 2)) // 2), True
-    # Partial rotary (W3) keeps the 4096-element tile of the measured W3 rows: in place it moves
-    # only the rotary dims, out of place the tile includes the pass-through copy.
-    tile = _TILE_ELEMS_INPLACE if rotary_dim < head_dim else _TILE_ELEMS
-    cap = max(1, min(16, tile // per_head))
-    block_h = 1
-    best = None
-    bh = 1
-    while bh <= min(cap, hmax):
-        waste = (-(-hq // bh) + -(-hk // bh)) * bh / heads
-        if waste <= _MAX_WASTE:
-            block_h = bh  # the largest low-waste chunk
-        if best is None or waste < best[0]:
-            best = (waste, bh)
-        bh *= 2
-    if (-(-hq // block_h) + -(-hk // block_h)) * block_h / heads > _MAX_WASTE:
-        block_h = best[1]
-    block_t = _prev_pow2(min(16, tile // (per_head * block_h), _next_pow2(n_tokens)))
-    # ~8 elements per thread per half tile (the prefetched chunk doubles it): W1 (4, 16, 128)
-    # and W3 in place (4, 16, 64) both get 8 warps by this; the W3 in place sweep winner was
-    # (4, 16, 4), so the in-place tile is capped at 4 warps.
-    warps = _warps_for(block_t * block_h * (half_p + pass_p // 2))
-    if rotary_dim < head_dim and not copy_pass:
-        warps = min(warps, 4)
-    return block_t, block_h, warps, False
 
+    __slots__ = ("grid", "num_warps", "tail", "compiled", "device_index")
 
-class _Plan:
-    """Everything derived from one exact shape/stride class: ints, grid, compiled kernel."""
-
-    __slots__ = ("ints", "consts", "grid", "num_warps", "runner", "has_pos", "tail", "n_tokens",
-                 "seq", "n_rows", "pdl")
-
-    def __init__(self, ints, consts, grid, num_warps, has_pos):
-        self.ints = ints
-        self.consts = consts
-        self.n_tokens, self.seq, self.n_rows = ints[:3]
-        self.tail = (*ints[3:], *consts)  # strides then constexprs, in signature order
+    def __init__(self, grid, num_warps, tail, device_index):
         self.grid = grid
         self.num_warps = num_warps
-        self.runner = None
-        self.has_pos = has_pos
-        self.pdl = False
+        self.tail = tail  # n_tokens, seq_len, n_rows, strides, constexprs: signature order
+        self.compiled = None
+        self.device_index = device_index
+
+    def __call__(self, q, k, qo, ko, pos, cos, sin, turns, pos_offset, attn_factor) -> None:
+        ck = self.compiled
+        state = _triton_state
+        if ck is not None and state["direct"] and -(1 << 31) <= pos_offset < (1 << 31):
+            runtime = state["runtime"]
+            if runtime.launch_enter_hook is None and runtime.launch_exit_hook is None:
+                try:
+                    ck.run(self.grid[0], 1, 1, state["stream"](self.device_index), ck.function,
+                           ck.packed_metadata, None, None, None,
+                           q, k, qo, ko, pos, cos, sin, turns, pos_offset, attn_factor,
+                           *self.tail)
+                    return
+                except (TypeError, ValueError, SystemError, AttributeError):
+                    state["direct"] = False
+        kernel = _kernels()["kernels"].rope_kernel
+        ck = kernel[self.grid](q, k, qo, ko, pos, cos, sin, turns, pos_offset, attn_factor,
+                               *self.tail, num_warps=self.num_warps)
+        # An offset outside int32 compiles another signature (i64): keep the i32 one.
+        if ck is not None and not _INTERPRET and -(1 << 31) <= pos_offset < (1 << 31):
+            self.compiled = ck
+
+
+def _strides4(t, shape4) -> list[int]:
+    """A [B, S, H, D] view's strides with those of size-1 dims made canonical (0; 1 on D), so
+    views that differ only there share a specialization."""
+    st = list(t.stride())
+    for dim in range(3):
+        if shape4[dim] == 1:
+            st[dim] = 0
+    if shape4[3] == 1:
+        st[3] = 1
+    return st
+
+
+def _make_launch(args: KernelArgs, cfg: KernelConfig | None, libdevice: bool) -> _Launch | None:
+    """The launch of one call class (outputs given in args), or None when there is nothing to
+    do. cfg None: the policy's."""
+    layout = args.layout
+    q4, qo4 = bshd_view(args.q, layout), bshd_view(args.q_out, layout)
+    batch, seq, hq, head_dim = q4.shape
+    n_tokens = batch * seq
+    hk = 0
+    k4 = ko4 = None
+    if args.k is not None:
+        k4, ko4 = bshd_view(args.k, layout), bshd_view(args.k_out, layout)
+        hk = k4.shape[2]
+        if hk == 0:
+            k4 = ko4 = None
+    if n_tokens == 0 or (hq == 0 and hk == 0):
+        return None
+    shape = CallShape(n_tokens, hq, hk, head_dim, args.rotary_dim, args.q.element_size(),
+                      bool(args.inplace))
+    if cfg is None:
+        cfg = launch_policy(shape, device_info(args.q.device))
+    sq, sqo = _strides4(q4, q4.shape), _strides4(qo4, q4.shape)
+    sk = _strides4(k4, k4.shape) if k4 is not None else [0, 0, 0, 1]
+    sko = _strides4(ko4, k4.shape) if k4 is not None else [0, 0, 0, 1]
+    pos = args.pos
+    if pos is None:
+        sp = [0, 0]
+    elif pos.dim() == 1:
+        sp = [0, pos.stride(0) if pos.shape[0] > 1 else 0]
+    else:
+        sp = [pos.stride(0) if pos.shape[0] > 1 else 0, pos.stride(1) if pos.shape[1] > 1 else 0]
+    rot_a, rot_b = rotary_pieces(args.rotary_dim)
+    copy_pass = (not args.inplace) and args.rotary_dim < head_dim
+    pass_a, pass_b, pass_c = pass_pieces(args.rotary_dim, head_dim) if copy_pass else (0, 0, 0)
+    consts = (
+        hq, hk, head_dim, args.rotary_dim, bool(args.interleaved), bool(args.inverse),
+        all(s[3] == 1 for s in (sq, sqo, sk, sko)),  # D_CONTIG: dims at compile-time offsets
+        1 if batch == 1 else (2 if seq == 1 else 0),  # TOK_SPLIT: no division where not needed
+        0,  # ANGLES: kernels.ANGLES_POSITIONS
+        pos is not None, args.freq_turns is not None, libdevice,
+        rot_a, rot_b, pass_a, pass_b, pass_c,
+        cfg.head_grid, cfg.block_t, min(cfg.block_hq, _next_pow2(max(hq, 1))),
+        min(cfg.block_hk, _next_pow2(max(hk, 1))),
+    )
+    n_programs = _cdiv(n_tokens, cfg.block_t)
+    if cfg.head_grid:
+        n_programs *= _cdiv(hq, consts[-2]) + _cdiv(hk, consts[-1])
+    n_rows = args.cos.shape[0]
+    # Table rows may be strided (cos and sin the halves of one [P, R] cache); canonical when
+    # there is at most one row.
+    table = [t.stride(0) if n_rows > 1 else args.rotary_dim // 2 for t in (args.cos, args.sin)]
+    tail = (n_tokens, seq, n_rows, *sq, *sk, *sqo, *sko, *sp, *table, *consts)
+    return _Launch((n_programs, 1, 1), cfg.num_warps, tail, args.q.get_device())
+
+
+def _aligned(t) -> bool:
+    return t.data_ptr() & 15 == 0
+
+
+def _stand_in(cos: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """A pointer for the table when it has no rows (every load of it is masked)."""
+    return torch.zeros(1, max(1, rotary_dim // 2), dtype=cos.dtype, device=cos.device)
 
 
 class TritonBackend(Backend):
@@ -122,13 +397,14 @@ class TritonBackend(Backend):
     dtypes: ClassVar[frozenset[torch.dtype]] = frozenset(
         {torch.float32, torch.float16, torch.bfloat16}
     )
+    # Angles from position tables only (kernels.ANGLES_POSITIONS); caller tables in any float
+    # dtype the data may have (read, then float32).
+    table_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset(
+        {torch.float32, torch.float16, torch.bfloat16}
+    )
 
     def __init__(self) -> None:
-        self._kernel = None
-        self._plans: dict = {}
-        # Direct launches of the compiled kernel (skipping triton's per-call argument binding);
-        # turned off for good on the first failure, and never used when interpreting.
-        self.fast_launch = not _INTERPRET and os.environ.get("ROPE_OPS_TRITON_FAST", "1") != "0"
+        self._launches: dict = {}
 
     # -- environment ----------------------------------------------------------------------
 
@@ -142,7 +418,7 @@ class TritonBackend(Backend):
         try:
             triton.runtime.driver.active.get_current_target()
         except Exception as e:  # RuntimeError "0 active drivers", driver load failures
-            return [f"no active triton driver: {type(e).__name__}: {e}"]
+            return [f"no GPU driver for triton ({type(e).__name__}: {e})"]
         try:
             if not torch.cuda.is_available():
                 return ["no GPU (torch.cuda.is_available() is False) and TRITON_INTERPRET unset"]
@@ -157,163 +433,221 @@ class TritonBackend(Backend):
 
     # -- run ------------------------------------------------------------------------------
 
-    def _get_kernel(self):
-        if self._kernel is None:
-            from . import kernels
-
-            self._kernel = kernels
-        return self._kernel
-
     def run(self, args: KernelArgs):
         """Out of place with ``q_out is None``: allocate the outputs and return (q_out, k_out);
         otherwise write into the given outputs and return None."""
-        q, k, qo, ko, pos = args.q, args.k, args.q_out, args.k_out, args.pos
         made = None
-        if qo is None:
-            # empty_like keeps q's strides where q is dense (else row-major): the plan key below
-            # holds the outputs' strides, so either is fine.
-            qo = torch.empty_like(q)
-            ko = None if k is None else torch.empty_like(k)
-            made = (qo, ko)
-        # Everything a plan derives from, flat (cheap to hash). pos shapes follow from q's
-        # (validated by the core), so pos strides and dtype suffice.
-        dev = q.get_device()
-        # The 16-byte alignment of every pointer is part of triton's specialization, so of the key.
-        align = q.data_ptr() | qo.data_ptr() | args.cos.data_ptr() | args.sin.data_ptr()
-        if k is None:
-            kkey = None
-        else:
-            kkey = k.shape
-            align |= k.data_ptr() | ko.data_ptr()
-        if pos is not None:
-            align |= pos.data_ptr()
-        if args.freq_turns is not None:
-            align |= args.freq_turns.data_ptr()
-        key = (
-            args.layout, q.shape, q.stride(), None if qo is q else qo.stride(),
-            kkey, None if k is None else k.stride(), None if ko is k else ko.stride(),
-            None if pos is None else pos.stride(), None if pos is None else pos.dtype,
-            args.cos.shape[0], args.freq_turns is None, args.rotary_dim, args.interleaved,
-            args.inverse, args.inplace, q.dtype, dev, align & 15,
-        )
-        if dev >= 0 and dev != torch.cuda.current_device():
-            # triton launches on the current device: make it q's for this call.
-            with torch.cuda.device(dev):
-                self._run(key, args, qo, ko)
-        else:
-            self._run(key, args, qo, ko)
+        if args.q_out is None:
+            made = (torch.empty_like(args.q), None if args.k is None else torch.empty_like(args.k))
+            args = args._replace(q_out=made[0], k_out=made[1])
+        self._run(args, None)
         return made
 
-    def _run(self, key, args: KernelArgs, qo, ko) -> None:
-        q, k, pos = args.q, args.k, args.pos
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._make_plan(args if args.q_out is not None else
-                                   args._replace(q_out=qo, k_out=ko))
-            if plan is None:
-                return  # no tokens
-            if len(self._plans) >= _MAX_PLANS:
-                self._plans.clear()
-            self._plans[key] = plan
+    def _run(self, args: KernelArgs, cfg: KernelConfig | None) -> None:
+        q, k, qo, ko, pos = args.q, args.k, args.q_out, args.k_out, args.pos
         cos, sin, turns = args.cos, args.sin, args.freq_turns
-        if cos.shape[0] == 0:  # an empty table: every load is masked, but pass a real pointer
-            cos = sin = torch.zeros(1, max(1, args.rotary_dim // 2), device=q.device)
-        off = args.pos_offset
+        # Everything a launch derives from, flat (cheap to hash); pos's shape follows from q's
+        # (validated by the core). Pointer alignment is part of triton's specialization.
+        aligned = (_aligned(q), _aligned(qo), _aligned(cos), _aligned(sin),
+                   None if k is None else (_aligned(k), _aligned(ko), k.shape, k.stride(),
+                                           ko.stride()),
+                   None if pos is None else (_aligned(pos), pos.stride(), pos.dtype),
+                   None if turns is None else _aligned(turns))
+        key = (args.layout, q.shape, q.stride(), qo.stride(), aligned, cos.shape, cos.stride(),
+               sin.stride(), cos.dtype, args.rotary_dim, args.interleaved, args.inverse,
+               args.inplace, q.dtype, q.get_device(), cfg)
+        launch = self._launches.get(key, False)
+        if launch is False:
+            launch = _make_launch(args, cfg, _kernels()["libdevice"])
+            if len(self._launches) >= _MAX_LAUNCHES:
+                self._launches.clear()
+            self._launches[key] = launch
+        if launch is None:
+            return  # no tokens or no heads
+        if cos.shape[0] == 0:
+            cos = sin = _stand_in(cos, args.rotary_dim)
         ptrs = (q, q if k is None else k, qo, qo if ko is None else ko,
                 cos if pos is None else pos, cos, sin, cos if turns is None else turns)
-        # An offset outside int32 changes the compiled signature: leave it to triton's binder.
-        if plan.runner is not None and -(1 << 31) <= off < (1 << 31):
-            try:
-                plan.runner(*ptrs, plan.n_tokens, plan.seq, plan.n_rows, off,
-                            float(args.attention_factor), *plan.tail)
-                return
-            except (TypeError, ValueError, SystemError, AttributeError):
-                # a triton whose launcher takes other arguments (checked before launching):
-                # never try again
-                self.fast_launch = False
-                for p in self._plans.values():
-                    p.runner = None
-        self._launch_jit(plan, ptrs, off, float(args.attention_factor))
+        _on_device(launch, ptrs, args.pos_offset, float(args.attention_factor))
 
-    def _launch_jit(self, plan, ptrs, off, m) -> None:
-        # Exactly the positional arguments the direct launch passes (signature order,
-        # constexprs included), so the interpreter tests check that order too.
-        extra = {"launch_pdl": True} if plan.pdl else {}  # the direct runner inherits it
-        ck = self._get_kernel().rope_kernel[plan.grid](
-            *ptrs, plan.n_tokens, plan.seq, plan.n_rows, off, m, *plan.tail,
-            num_warps=plan.num_warps, **extra)
-        if self.fast_launch and ck is not None and -(1 << 31) <= off < (1 << 31):
-            try:
-                plan.runner = ck[plan.grid]
-            except Exception:
-                self.fast_launch = False
+    # -- bound launchers (rope_ops.apply's cached plans) ------------------------------------
 
-    def _make_plan(self, args: KernelArgs) -> _Plan | None:
-        layout = args.layout
-        q4 = bshd_view(args.q, layout)
-        qo4 = bshd_view(args.q_out, layout)
-        batch, seq, hq, head_dim = q4.shape
-        n_tokens = batch * seq
-        if n_tokens == 0:
+    def bind(self, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved, inverse):
+        """``(q, k, pos, pos_offset) -> (q_out, k_out)`` for repeated eager out-of-place calls
+        with these tables and constants, with ``guarded(q, k, pos)`` for exact repeats."""
+        if torch.compiler.is_compiling():
             return None
-        if args.k is not None:
-            k4 = bshd_view(args.k, layout)
-            ko4 = bshd_view(args.k_out, layout)
-            hk = k4.shape[2]
-            if k4.shape[2] == 0:
-                k4 = ko4 = None
-                hk = 0
+        return _Bound(cos, sin, freq_turns, float(attention_factor), layout, int(rotary_dim),
+                      bool(interleaved), bool(inverse))
+
+
+_MAX_LAUNCHES = 512
+
+
+def _on_device(launch: _Launch, ptrs, pos_offset, attn_factor) -> None:
+    """Launch on the tensors' device: triton launches on the current one (with one GPU, that
+    is the tensors' device; no need to ask)."""
+    index = launch.device_index
+    if index > 0 or (index == 0 and _gpu_count() > 1):
+        if index != torch.cuda.current_device():
+            with torch.cuda.device(index):
+                launch(*ptrs, pos_offset, attn_factor)
+            return
+    launch(*ptrs, pos_offset, attn_factor)
+
+
+_gpu_counts: list = []
+
+
+def _gpu_count() -> int:
+    if not _gpu_counts:
+        _gpu_counts.append(torch.cuda.device_count())
+    return _gpu_counts[0]
+
+
+class _Bound:
+    """TritonBackend.bind's launcher: the tables and constants of one call kind fixed, one
+    launch per shape class (kept here, so a repeat builds a small key and launches)."""
+
+    def __init__(self, cos, sin, turns, attn, layout, rotary_dim, interleaved, inverse):
+        if cos.shape[0] == 0:
+            cos = sin = _stand_in(cos, rotary_dim)
+            self.n_rows_zero = True
         else:
-            k4 = ko4 = None
-            hk = 0
-        if hq == 0 and hk == 0:
+            self.n_rows_zero = False
+        self.cos, self.sin, self.turns, self.attn = cos, sin, turns, attn
+        self.layout, self.rotary_dim = layout, rotary_dim
+        self.interleaved, self.inverse = interleaved, inverse
+        self.tables_aligned = _aligned(cos) and _aligned(sin) and (turns is None or _aligned(turns))
+        self.launches: dict = {}
+
+    def _args(self, q, k, qo, ko, pos, pos_offset) -> KernelArgs:
+        cos = self.cos[:0] if self.n_rows_zero else self.cos
+        return KernelArgs(q, k, qo, ko, pos, pos_offset, cos, self.sin, self.turns, self.attn,
+                          self.layout, self.rotary_dim, self.interleaved, self.inverse, False)
+
+    def _launch_for(self, q, k, qo, ko, pos):
+        key = (q.shape, q.stride(), q.dtype, q.get_device(), _aligned(q),
+               None if k is None else (k.shape, k.stride(), _aligned(k)),
+               None if pos is None else (pos.shape, pos.stride(), pos.dtype, _aligned(pos)))
+        launch = self.launches.get(key, False)
+        if launch is False:
+            launch = _make_launch(self._args(q, k, qo, ko, pos, 0), None, _kernels()["libdevice"])
+            if len(self.launches) >= _MAX_LAUNCHES:
+                self.launches.clear()
+            self.launches[key] = launch
+        return launch
+
+    def _ptrs(self, q, k, qo, ko, pos):
+        cos = self.cos
+        return (q, q if k is None else k, qo, qo if ko is None else ko,
+                cos if pos is None else pos, cos, self.sin, cos if self.turns is None else self.turns)
+
+    def __call__(self, q, k, pos, pos_offset):
+        qo = torch.empty_like(q)
+        ko = None if k is None else torch.empty_like(k)
+        launch = self._launch_for(q, k, qo, ko, pos)
+        if launch is not None:
+            _on_device(launch, self._ptrs(q, k, qo, ko, pos), pos_offset, self.attn)
+        return qo, ko
+
+    def guarded(self, q, k, pos):
+        """A launcher for exact repeats of this call (q's and k's sizes, strides, dtype and
+        device; pos's sizes, strides, dtype and device, or an int offset in int32), 16-byte
+        aligned, needing no gradient; it returns None for any other call. Its checks are all
+        it does before allocating the outputs and launching."""
+        if not self.tables_aligned or type(q) is not torch.Tensor or \
+                (k is not None and type(k) is not torch.Tensor) or not (q.is_cuda or _INTERPRET):
             return None
-        rotary_dim = args.rotary_dim
-        copy_pass = (not args.inplace) and rotary_dim < head_dim
-        cfg = _pick_blocks(n_tokens, hq, hk, head_dim, rotary_dim, copy_pass)
-        block_t, block_h, num_warps = cfg[:3]
-        head_grid = bool(cfg[3]) if len(cfg) > 3 else False
-        stream = bool(cfg[4]) if len(cfg) > 4 else False
-        pdl = bool(cfg[5]) if len(cfg) > 5 and not _INTERPRET else False  # no PDL interpreted
-        sq = list(q4.stride())
-        sqo = list(qo4.stride())
-        sk = list(k4.stride()) if k4 is not None else [0, 0, 0, 1]
-        sko = list(ko4.stride()) if ko4 is not None else [0, 0, 0, 1]
-        # A size-1 dim's stride is never used to move; make it 0 so odd values do not matter.
-        for strides, t in ((sq, q4), (sqo, qo4), (sk, k4), (sko, ko4)):
-            if t is not None:
-                for dim in range(3):
-                    if t.shape[dim] == 1:
-                        strides[dim] = 0
-                if t.shape[3] == 1:
-                    strides[3] = 1
-        d_contig = all(s[3] == 1 for s in (sq, sqo, sk, sko))
-        pos = args.pos
-        if pos is None:
-            sp = [0, 0]
-        elif pos.dim() == 1:
-            sp = [0, pos.stride(0) if pos.shape[0] > 1 else 0]
+        qo = torch.empty_like(q)
+        ko = None if k is None else torch.empty_like(k)
+        pos_tensor = pos if isinstance(pos, torch.Tensor) else None
+        if not all(_aligned(t) for t in (q, k, qo, ko, pos_tensor) if t is not None):
+            return None
+        launch = self._launch_for(q, k, qo, ko, pos_tensor)
+        if launch is None or (q.is_cuda and launch.device_index != torch.cuda.current_device()):
+            return None
+        return _make_guard(self, launch, q, k, pos_tensor)
+
+
+def _make_guard(bound: _Bound, launch, q, k, pos):
+    """The guard of one exact call (see _Bound.guarded): a closure over locals, the cheapest
+    checks Python has. ``launch`` is called as a _Launch is."""
+    tensor_type = torch.Tensor
+    grad_enabled = torch.is_grad_enabled
+    empty_like = torch.empty_like
+    q_meta = (q.shape, q.stride(), q.dtype)
+    dtype = q.dtype
+    on_cuda = q.is_cuda
+    index = q.get_device()
+    check_current = on_cuda and _gpu_count() > 1  # with one GPU it is always q's
+    current_device = torch.cuda.current_device
+    no_k = k is None
+    k_meta = None if no_k else (k.shape, k.stride())
+    pos_is_int = pos is None
+    pos_meta = None if pos_is_int else (pos.shape, pos.stride(), pos.dtype)
+    cos, sin, attn = bound.cos, bound.sin, bound.attn
+    turns = cos if bound.turns is None else bound.turns
+    low, high = -(1 << 31), 1 << 31
+
+    def guard(q, k, pos):
+        if (type(q) is not tensor_type or (q.shape, q.stride(), q.dtype) != q_meta
+                or q.is_cuda is not on_cuda or q.get_device() != index or q.data_ptr() & 15):
+            return None
+        if no_k:
+            if k is not None:
+                return None
+            needs_grad = q.requires_grad
         else:
-            sp = [pos.stride(0) if pos.shape[0] > 1 else 0,
-                  pos.stride(1) if pos.shape[1] > 1 else 0]
-        n_rows = args.cos.shape[0]
-        ints = (n_tokens, seq, n_rows, *sq, *sk, *sqo, *sko, *sp)
-        consts = (
-            hq, hk, head_dim, rotary_dim, _next_pow2(rotary_dim // 2),
-            _next_pow2(head_dim) if copy_pass else 1,
-            block_t, block_h, bool(args.interleaved), bool(args.inverse), copy_pass,
-            pos is not None, args.freq_turns is not None, d_contig,
-            (not _INTERPRET) and self._get_kernel().libdevice is not None,
-            2 if block_t == 1 else 1,  # EARLY: decode loads q and k chunks before the position
-            head_grid,
-            1 if batch == 1 else (2 if seq == 1 else 0),  # TOK_SPLIT: token -> (b, s) division-free
-            # STREAM: q/k loads .cg, stores .cs (eviction_policy would cost a 64-bit policy
-            # register: W4 (4, 16, 8) 86 instead of 79 registers, 2 CTAs/SM instead of 3, 3.6)
-            stream,
-            pdl,  # PDL: launched with programmatic dependent launch (griddepcontrol wait/launch)
-        )
-        n_chunks = -(-hq // block_h) + -(-hk // block_h)
-        grid = (-(-n_tokens // block_t) * (n_chunks if head_grid else 1), 1, 1)
-        plan = _Plan(ints, consts, grid, num_warps, pos is not None)
-        plan.pdl = pdl
-        return plan
+            if (type(k) is not tensor_type or (k.shape, k.stride()) != k_meta
+                    or k.dtype != dtype or k.is_cuda is not on_cuda or k.get_device() != index
+                    or k.data_ptr() & 15):
+                return None
+            needs_grad = q.requires_grad or k.requires_grad
+        if needs_grad and grad_enabled():
+            return None
+        if pos_is_int:
+            if type(pos) is not int or not low <= pos < high:
+                return None
+            pos_ptr, offset = cos, pos
+        else:
+            if (type(pos) is not tensor_type or (pos.shape, pos.stride(), pos.dtype) != pos_meta
+                    or pos.is_cuda is not on_cuda or pos.get_device() != index
+                    or pos.data_ptr() & 15):
+                return None
+            pos_ptr, offset = pos, 0
+        if check_current and current_device() != index:
+            return None
+        # Outputs as _Bound.__call__ makes them: the launch was made for their strides.
+        qo = empty_like(q)
+        if no_k:
+            launch(q, q, qo, qo, pos_ptr, cos, sin, turns, offset, attn)
+            return qo, None
+        ko = empty_like(k)
+        launch(q, k, qo, ko, pos_ptr, cos, sin, turns, offset, attn)
+        return qo, ko
+
+    return guard
+
+
+# ---------------------------------------------------------------------------------------------
+# For benchmark tooling (not rope_ops API).
+
+_study_backend: list = []
+
+
+def kernel_candidates(args: KernelArgs) -> list[str]:
+    """Labels of the kernel configurations worth timing for this call, the launch policy's
+    choice first (see candidate_configs). For benchmarks only; not API."""
+    return [c.label() for c in candidate_configs(shape_of(args), device_info(args.q.device))]
+
+
+def run_with(args: KernelArgs, candidate: str) -> None:
+    """Run the call with the configuration of a kernel_candidates label, into args.q_out /
+    args.k_out (given; in place, q and k). For benchmarks only; not API."""
+    cfg = parse_label(candidate)
+    if args.q_out is None and not args.inplace:
+        raise ValueError("run_with: args.q_out (and k_out) must be given")
+    if not _study_backend:
+        _study_backend.append(TritonBackend())
+    _study_backend[0]._run(args, cfg)

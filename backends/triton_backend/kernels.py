@@ -1,25 +1,30 @@
-"""The Triton RoPE kernel: q and k of one call in one launch.
+"""The Triton RoPE kernel: one launch rotates q and k, any layout through strides.
 
-Imported lazily by the backend (importing this module imports triton). See NOTES.md.
+A program owns a block of BLOCK_T tokens and either all their heads (the token walk) or one
+chunk of them (the head grid, for calls too small to fill the GPU with token blocks; see the
+launch policy in __init__.py). Its work comes in stages, each a jit helper:
 
-One program owns BLOCK_T consecutive tokens (flattened batch x seq). It loads each token's position
-and cos/sin row once, then walks the q heads and the k heads in chunks of BLOCK_H heads (the chunk
-loop is unrolled at compile time, and the next chunk is loaded before the current one is rotated
-and stored, so two chunks are in flight per program). Every tensor is addressed through its
-[B, S, H, D] strides, so all layouts and strided views (packed QKV) go through the same code.
-With HEAD_GRID (decode) each program owns one (token block, head chunk) instead. Rows outside
-the cos/sin table are computed on the fly only in programs that have such a token.
+1. angles (``_angles``): the cos/sin of the program's tokens, float32 ``[BLOCK_T, piece]`` per
+   rotary piece. The constexpr ANGLES selects where they come from; today ANGLES_POSITIONS: a
+   position per token (a tensor, or offset + index), its row of the cos/sin table, rows outside
+   the table computed on the fly from the fixed-point frequencies (NaN with caller tables).
+   Variants that change only where angles come from (caller cos/sin per token, mRoPE's
+   per-axis positions) are new ANGLES kinds: a new helper called from ``_angles``, nothing else.
+2. load (``_load_chunk``): the rotary pairs of a chunk of heads, and out of place the
+   pass-through dims, in the input dtype. A prologue that changes what is loaded (a fused QKV
+   split with per-head RMSNorm) belongs here.
+3. rotate and store (``_rotate_store_chunk``): float32 math, rounded once at the store.
+
+Tiles must be powers of two (tl.arange), head dims often are not (80, 96): the rotary pairs of
+a head are covered by at most two power-of-two pieces ([0, ROT_A) and [ROT_A, ROT_A + ROT_B),
+the last one masked at R/2) and the pass-through dims [R, D) by at most three, so a head of 80
+or 96 dims wastes no lanes, where one padded tile of 128 would idle a quarter to a third of them.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-try:  # programmatic dependent launch (sm_90+): only traced when PDL is set (never interpreted)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - old triton: the backend never sets PDL there
-    gdc_launch_dependents = gdc_wait = None
 
 try:  # accurate sin/cos on the GPU (tl.sin/tl.cos may lower to the approximate instructions)
     from triton.language.extra import libdevice
@@ -28,134 +33,41 @@ except ImportError:  # pragma: no cover - very old triton
 
 TWO_PI_OVER_2_32 = tl.constexpr(6.283185307179586 / 4294967296.0)
 
+# ANGLES kinds (the constexpr of the same name).
+ANGLES_POSITIONS = tl.constexpr(0)  # position -> cos/sin table row (on the fly outside it)
 
-@triton.jit
-def _chunk_offsets(row_off, h, s_h, d, s_d, D_CONTIG: tl.constexpr):
-    """[BT, BH, ND] element offsets: token rows x heads x dims."""
-    hd = h.to(tl.int64) * s_h
-    if D_CONTIG:
-        dd = d
-    else:
-        dd = d.to(tl.int64) * s_d
-    return row_off[:, None, None] + hd[None, :, None] + dd[None, None, :]
+
+# ---------------------------------------------------------------------------------------------
+# Stage 1: angles.
 
 
 @triton.jit
-def _load_chunk(ptr, row_off, tmask, h0, n_heads, s_h, s_d,
-                BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
-                INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr, STREAM: tl.constexpr):
-    """The rotary pairs (x, y) of heads [h0, h0 + BLOCK_H), [BT, BH, HALF_P] each, in the input
-    dtype (converted to float32 when rotated, so a prefetched chunk holds half the registers)."""
-    h = h0 + tl.arange(0, BLOCK_H)
-    hmask = h < n_heads
-    if INTERLEAVED:
-        d = tl.arange(0, 2 * HALF_P)
-        m = tmask[:, None, None] & hmask[None, :, None] & (d < 2 * HALF)[None, None, :]
-        xy = tl.load(ptr + _chunk_offsets(row_off, h, s_h, d, s_d, D_CONTIG), mask=m, other=0.0,
-                     cache_modifier=".cg" if STREAM else "")
-        xy = tl.reshape(xy, [BLOCK_T, BLOCK_H, HALF_P, 2])
-        x, y = tl.split(xy)
-    else:
-        i = tl.arange(0, HALF_P)
-        m = tmask[:, None, None] & hmask[None, :, None] & (i < HALF)[None, None, :]
-        off = _chunk_offsets(row_off, h, s_h, i, s_d, D_CONTIG)
-        x = tl.load(ptr + off, mask=m, other=0.0,
-                     cache_modifier=".cg" if STREAM else "")
-        if D_CONTIG:
-            y = tl.load(ptr + off + HALF, mask=m, other=0.0,
-                     cache_modifier=".cg" if STREAM else "")
-        else:
-            y = tl.load(ptr + off + HALF * s_d, mask=m, other=0.0,
-                     cache_modifier=".cg" if STREAM else "")
-    return x, y
-
-
-@triton.jit
-def _rotate_store(x, y, c, s, out_ptr, row_off, tmask, h0, n_heads, s_h, s_d,
-                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
-                  INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr, STREAM: tl.constexpr):
-    """Rotate the pairs by (c, s) [BT, HALF_P] in float32 and store them rounded once."""
-    c3 = c[:, None, :]
-    s3 = s[:, None, :]
-    x = x.to(tl.float32)
-    y = y.to(tl.float32)
-    xo = x * c3 - y * s3
-    yo = y * c3 + x * s3
-    h = h0 + tl.arange(0, BLOCK_H)
-    hmask = h < n_heads
-    dtype = out_ptr.dtype.element_ty
-    if INTERLEAVED:
-        d = tl.arange(0, 2 * HALF_P)
-        m = tmask[:, None, None] & hmask[None, :, None] & (d < 2 * HALF)[None, None, :]
-        xy = tl.reshape(tl.join(xo, yo), [BLOCK_T, BLOCK_H, 2 * HALF_P])
-        tl.store(out_ptr + _chunk_offsets(row_off, h, s_h, d, s_d, D_CONTIG), xy.to(dtype), mask=m,
-                 cache_modifier=".cs" if STREAM else "")
-    else:
-        i = tl.arange(0, HALF_P)
-        m = tmask[:, None, None] & hmask[None, :, None] & (i < HALF)[None, None, :]
-        off = _chunk_offsets(row_off, h, s_h, i, s_d, D_CONTIG)
-        tl.store(out_ptr + off, xo.to(dtype), mask=m,
-                 cache_modifier=".cs" if STREAM else "")
-        if D_CONTIG:
-            tl.store(out_ptr + off + HALF, yo.to(dtype), mask=m,
-                 cache_modifier=".cs" if STREAM else "")
-        else:
-            tl.store(out_ptr + off + HALF * s_d, yo.to(dtype), mask=m,
-                 cache_modifier=".cs" if STREAM else "")
-
-
-@triton.jit
-def _copy_pass(in_ptr, out_ptr, row_in, row_out, tmask, h0, n_heads, si_h, si_d, so_h, so_d,
-               BLOCK_H: tl.constexpr, ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
-               PASS_P: tl.constexpr, D_CONTIG: tl.constexpr):
-    """Copy the pass-through dims [ROTARY_DIM, HEAD_DIM) of heads [h0, h0 + BLOCK_H).
-
-    The tile spans the whole head (PASS_P = pow2 >= HEAD_DIM) with the rotary dims masked off,
-    so it starts aligned and the mask edges fall on vector boundaries: 16-byte accesses.
-    """
-    h = h0 + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, PASS_P)
-    dmask = (d >= ROTARY_DIM) & (d < HEAD_DIM)
-    m = tmask[:, None, None] & (h < n_heads)[None, :, None] & dmask[None, None, :]
-    v = tl.load(in_ptr + _chunk_offsets(row_in, h, si_h, d, si_d, D_CONTIG), mask=m)
-    tl.store(out_ptr + _chunk_offsets(row_out, h, so_h, d, so_d, D_CONTIG), v, mask=m)
-
-
-@triton.jit
-def _load_nth(ci: tl.constexpr, NQC: tl.constexpr, q_ptr, row_q, sq_h, sq_d, HQ, k_ptr, row_k,
-              sk_h, sk_d, HK, tmask, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-              HALF: tl.constexpr, HALF_P: tl.constexpr, INTERLEAVED: tl.constexpr,
-              D_CONTIG: tl.constexpr, STREAM: tl.constexpr):
-    """Chunk ci of the q chunks followed by the k chunks."""
-    if ci < NQC:
-        x, y = _load_chunk(q_ptr, row_q, tmask, ci * BLOCK_H, HQ, sq_h, sq_d,
-                           BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG, STREAM)
-    else:
-        x, y = _load_chunk(k_ptr, row_k, tmask, (ci - NQC) * BLOCK_H, HK, sk_h, sk_d,
-                           BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG, STREAM)
-    return x, y
-
-
-@triton.jit
-def _cos_sin(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s, pos_offset, n_rows,
-             attn_factor, HALF: tl.constexpr, HALF_P: tl.constexpr, HAS_POS: tl.constexpr,
-             HAS_TURNS: tl.constexpr, LIBDEVICE: tl.constexpr, INVERSE: tl.constexpr):
-    """(c, s) [BT, HALF_P] float32 of the tokens (b, sq): table rows, or computed on the fly."""
+def _positions(pos_ptr, b, sq, tmask, sp_b, sp_s, pos_offset, HAS_POS: tl.constexpr):
+    """int64 [BLOCK_T] positions of the tokens (b, sq): read from pos, or offset + sq."""
     if HAS_POS:
-        p = tl.load(pos_ptr + b * sp_b + sq * sp_s, mask=tmask, other=0).to(tl.int64)
-    else:
-        p = sq + pos_offset
-    i = tl.arange(0, HALF_P)
+        return tl.load(pos_ptr + b * sp_b + sq * sp_s, mask=tmask, other=0).to(tl.int64)
+    return sq + pos_offset
+
+
+@triton.jit
+def _table_rows(p, cos_ptr, sin_ptr, turns_ptr, n_rows, sc_row, ss_row, attn_factor,
+                OFF: tl.constexpr, W: tl.constexpr, HALF: tl.constexpr,
+                HAS_TURNS: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """(c, s) [BLOCK_T, W] float32 of frequencies [OFF, OFF + W) at positions p: table rows (any
+    row strides, float32/float16/bfloat16), or for positions outside [0, n_rows) computed on the
+    fly (NaN without freq_turns)."""
+    i = OFF + tl.arange(0, W)
     inside = (p >= 0) & (p < n_rows)
-    tab = p[:, None] * HALF + i[None, :]
-    tmask2 = inside[:, None] & (i < HALF)[None, :]
-    c = tl.load(cos_ptr + tab, mask=tmask2, other=0.0)
-    s = tl.load(sin_ptr + tab, mask=tmask2, other=0.0)
+    m = inside[:, None]
+    if OFF + W > HALF:
+        m = m & (i < HALF)[None, :]
+    c = tl.load(cos_ptr + (p[:, None] * sc_row + i[None, :]), mask=m, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + (p[:, None] * ss_row + i[None, :]), mask=m, other=0.0).to(tl.float32)
     if HAS_TURNS:
-        # Rows outside the table are computed on the fly, but only by a program that has such a
-        # token (a uniform branch): the int64 product and libdevice sin/cos cost ~90 instructions
-        # per (token, i) per thread, which on every program would sit on the decode latency path
-        # and take a large share of the issue slots of the prefill programs.
+        # Only a program with a token outside the table computes rows on the fly (a uniform
+        # branch): the int64 product and libdevice sin/cos cost ~90 instructions per value,
+        # which on every program would sit on the decode latency path and take issue slots
+        # from the loads of prefill programs.
         if tl.max(tl.where(inside, 0, 1), axis=0) > 0:
             # Exact fixed-point angle: wrapping int64 product, top 32 bits = signed turns * 2^32.
             f = tl.load(turns_ptr + i, mask=i < HALF, other=0)
@@ -164,7 +76,7 @@ def _cos_sin(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s, pos
             if LIBDEVICE:
                 cf = libdevice.cos(angle)
                 sf = libdevice.sin(angle)
-            else:
+            else:  # the interpreter has no libdevice
                 cf = tl.cos(angle)
                 sf = tl.sin(angle)
             c = tl.where(inside[:, None], c, cf * attn_factor)
@@ -172,50 +84,248 @@ def _cos_sin(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s, pos
     else:
         c = tl.where(inside[:, None], c, float("nan"))
         s = tl.where(inside[:, None], s, float("nan"))
-    if INVERSE:
-        s = -s
     return c, s
 
 
 @triton.jit
+def _angles(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s, pos_offset,
+            n_rows, sc_row, ss_row, attn_factor, ANGLES: tl.constexpr, HALF: tl.constexpr, ROT_A: tl.constexpr,
+            ROT_B: tl.constexpr, HAS_POS: tl.constexpr, HAS_TURNS: tl.constexpr,
+            LIBDEVICE: tl.constexpr, INVERSE: tl.constexpr):
+    """(ca, sa, cb, sb): cos and sin of rotary pieces A and B ([BLOCK_T, ROT_A] and
+    [BLOCK_T, ROT_B]; B is A again when there is no piece B), sin negated for the inverse."""
+    tl.static_assert(ANGLES == ANGLES_POSITIONS, "unknown ANGLES kind")
+    p = _positions(pos_ptr, b, sq, tmask, sp_b, sp_s, pos_offset, HAS_POS)
+    ca, sa = _table_rows(p, cos_ptr, sin_ptr, turns_ptr, n_rows, sc_row, ss_row, attn_factor, 0,
+                         ROT_A, HALF, HAS_TURNS, LIBDEVICE)
+    if ROT_B > 0:
+        cb, sb = _table_rows(p, cos_ptr, sin_ptr, turns_ptr, n_rows, sc_row, ss_row, attn_factor,
+                             ROT_A, ROT_B, HALF, HAS_TURNS, LIBDEVICE)
+    else:
+        cb, sb = ca, sa
+    if INVERSE:
+        sa = -sa
+        sb = -sb
+    return ca, sa, cb, sb
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 2: load.
+
+
+@triton.jit
+def _offsets(row, h, s_h, d, s_d, D_CONTIG: tl.constexpr):
+    """int64 [BLOCK_T, BH, ND] element offsets: token rows x heads x dims."""
+    hd = h.to(tl.int64) * s_h
+    if D_CONTIG:
+        dd = d
+    else:
+        dd = d.to(tl.int64) * s_d
+    return row[:, None, None] + hd[None, :, None] + dd[None, None, :]
+
+
+@triton.jit
+def _load_pairs(ptr, row, tmask, h0, n_heads, s_h, s_d, OFF: tl.constexpr, W: tl.constexpr,
+                HALF: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr):
+    """(x, y) [BLOCK_T, BH, W]: pairs [OFF, OFF + W) of heads [h0, h0 + BH), input dtype."""
+    h = h0 + tl.arange(0, BH)
+    m = tmask[:, None, None] & (h < n_heads)[None, :, None]
+    if INTERLEAVED:  # pair i is dims (2i, 2i + 1): one contiguous span, split in registers
+        d = 2 * OFF + tl.arange(0, 2 * W)
+        if OFF + W > HALF:
+            m = m & (d < 2 * HALF)[None, None, :]
+        xy = tl.load(ptr + _offsets(row, h, s_h, d, s_d, D_CONTIG), mask=m, other=0.0)
+        x, y = tl.split(tl.reshape(xy, [BT, BH, W, 2]))
+    else:  # pair i is dims (i, i + R/2)
+        i = OFF + tl.arange(0, W)
+        if OFF + W > HALF:
+            m = m & (i < HALF)[None, None, :]
+        off = _offsets(row, h, s_h, i, s_d, D_CONTIG)
+        x = tl.load(ptr + off, mask=m, other=0.0)
+        if D_CONTIG:
+            y = tl.load(ptr + off + HALF, mask=m, other=0.0)
+        else:
+            y = tl.load(ptr + off + HALF * s_d, mask=m, other=0.0)
+    return x, y
+
+
+@triton.jit
+def _load_dims(ptr, row, tmask, h0, n_heads, s_h, s_d, OFF: tl.constexpr, W: tl.constexpr,
+               END: tl.constexpr, BH: tl.constexpr, D_CONTIG: tl.constexpr):
+    """Dims [OFF, min(OFF + W, END)) of heads [h0, h0 + BH), [BLOCK_T, BH, W]."""
+    h = h0 + tl.arange(0, BH)
+    d = OFF + tl.arange(0, W)
+    m = tmask[:, None, None] & (h < n_heads)[None, :, None]
+    if OFF + W > END:
+        m = m & (d < END)[None, None, :]
+    return tl.load(ptr + _offsets(row, h, s_h, d, s_d, D_CONTIG), mask=m)
+
+
+@triton.jit
+def _load_chunk(ptr, row, tmask, h0, n_heads, s_h, s_d, BT: tl.constexpr, BH: tl.constexpr,
+                HALF: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr,
+                HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
+                PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr):
+    """Everything the program reads of heads [h0, h0 + BH): the pairs of rotary pieces A and B,
+    and the pass-through pieces (the first tensor again in place of a piece that is absent)."""
+    xa, ya = _load_pairs(ptr, row, tmask, h0, n_heads, s_h, s_d, 0, ROT_A, HALF, BT, BH,
+                         INTERLEAVED, D_CONTIG)
+    xb, yb = xa, ya
+    if ROT_B > 0:
+        xb, yb = _load_pairs(ptr, row, tmask, h0, n_heads, s_h, s_d, ROT_A, ROT_B, HALF, BT,
+                             BH, INTERLEAVED, D_CONTIG)
+    pa, pb, pc = xa, xa, xa
+    if PASS_A > 0:
+        pa = _load_dims(ptr, row, tmask, h0, n_heads, s_h, s_d, ROTARY_DIM, PASS_A, HEAD_DIM,
+                        BH, D_CONTIG)
+    if PASS_B > 0:
+        pb = _load_dims(ptr, row, tmask, h0, n_heads, s_h, s_d, ROTARY_DIM + PASS_A, PASS_B,
+                        HEAD_DIM, BH, D_CONTIG)
+    if PASS_C > 0:
+        pc = _load_dims(ptr, row, tmask, h0, n_heads, s_h, s_d, ROTARY_DIM + PASS_A + PASS_B,
+                        PASS_C, HEAD_DIM, BH, D_CONTIG)
+    return xa, ya, xb, yb, pa, pb, pc
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 3: rotate and store.
+
+
+@triton.jit
+def _rotate_store_pairs(x, y, c, s, ptr, row, tmask, h0, n_heads, s_h, s_d, OFF: tl.constexpr,
+                        W: tl.constexpr, HALF: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                        INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr):
+    """x' = x c - y s, y' = y c + x s in float32, stored rounded once to the output dtype."""
+    c3 = c[:, None, :]
+    s3 = s[:, None, :]
+    xf = x.to(tl.float32)
+    yf = y.to(tl.float32)
+    xo = (xf * c3 - yf * s3).to(ptr.dtype.element_ty)
+    yo = (yf * c3 + xf * s3).to(ptr.dtype.element_ty)
+    h = h0 + tl.arange(0, BH)
+    m = tmask[:, None, None] & (h < n_heads)[None, :, None]
+    if INTERLEAVED:
+        d = 2 * OFF + tl.arange(0, 2 * W)
+        if OFF + W > HALF:
+            m = m & (d < 2 * HALF)[None, None, :]
+        xy = tl.reshape(tl.join(xo, yo), [BT, BH, 2 * W])
+        tl.store(ptr + _offsets(row, h, s_h, d, s_d, D_CONTIG), xy, mask=m)
+    else:
+        i = OFF + tl.arange(0, W)
+        if OFF + W > HALF:
+            m = m & (i < HALF)[None, None, :]
+        off = _offsets(row, h, s_h, i, s_d, D_CONTIG)
+        tl.store(ptr + off, xo, mask=m)
+        if D_CONTIG:
+            tl.store(ptr + off + HALF, yo, mask=m)
+        else:
+            tl.store(ptr + off + HALF * s_d, yo, mask=m)
+
+
+@triton.jit
+def _store_dims(v, ptr, row, tmask, h0, n_heads, s_h, s_d, OFF: tl.constexpr, W: tl.constexpr,
+                END: tl.constexpr, BH: tl.constexpr, D_CONTIG: tl.constexpr):
+    h = h0 + tl.arange(0, BH)
+    d = OFF + tl.arange(0, W)
+    m = tmask[:, None, None] & (h < n_heads)[None, :, None]
+    if OFF + W > END:
+        m = m & (d < END)[None, None, :]
+    tl.store(ptr + _offsets(row, h, s_h, d, s_d, D_CONTIG), v, mask=m)
+
+
+@triton.jit
+def _rotate_store_chunk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, ptr, row, tmask, h0,
+                        n_heads, s_h, s_d, BT: tl.constexpr, BH: tl.constexpr,
+                        HALF: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr,
+                        ROTARY_DIM: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
+                        PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr):
+    """Store what _load_chunk loaded: the rotary pieces rotated, the pass-through ones as read."""
+    _rotate_store_pairs(xa, ya, ca, sa, ptr, row, tmask, h0, n_heads, s_h, s_d, 0, ROT_A, HALF,
+                        BT, BH, INTERLEAVED, D_CONTIG)
+    if ROT_B > 0:
+        _rotate_store_pairs(xb, yb, cb, sb, ptr, row, tmask, h0, n_heads, s_h, s_d, ROT_A, ROT_B,
+                            HALF, BT, BH, INTERLEAVED, D_CONTIG)
+    if PASS_A > 0:
+        _store_dims(pa, ptr, row, tmask, h0, n_heads, s_h, s_d, ROTARY_DIM, PASS_A, HEAD_DIM, BH,
+                    D_CONTIG)
+    if PASS_B > 0:
+        _store_dims(pb, ptr, row, tmask, h0, n_heads, s_h, s_d, ROTARY_DIM + PASS_A, PASS_B,
+                    HEAD_DIM, BH, D_CONTIG)
+    if PASS_C > 0:
+        _store_dims(pc, ptr, row, tmask, h0, n_heads, s_h, s_d, ROTARY_DIM + PASS_A + PASS_B,
+                    PASS_C, HEAD_DIM, BH, D_CONTIG)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel.
+
+
+@triton.jit
+def _load_nth(ci: tl.constexpr, NQC: tl.constexpr, q_ptr, row_q, sq_h, sq_d, k_ptr, row_k, sk_h,
+              sk_d, tmask, HQ: tl.constexpr, HK: tl.constexpr, BT: tl.constexpr,
+              BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
+              ROT_A: tl.constexpr, ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr,
+              HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
+              PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr):
+    """Chunk ci of the token walk: the q chunks first, then the k chunks."""
+    if ci < NQC:
+        chunk = _load_chunk(q_ptr, row_q, tmask, ci * BLOCK_HQ, HQ, sq_h, sq_d, BT, BLOCK_HQ,
+                            HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                            INTERLEAVED, D_CONTIG)
+    else:
+        chunk = _load_chunk(k_ptr, row_k, tmask, (ci - NQC) * BLOCK_HK, HK, sk_h, sk_d, BT,
+                            BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
+                            PASS_C, INTERLEAVED, D_CONTIG)
+    return chunk
+
+
+@triton.jit
 def _one_chunk(in_ptr, out_ptr, row_in, row_out, h0, n_heads, si_h, si_d, so_h, so_d,
-               pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s, pos_offset, n_rows,
-               attn_factor, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-               HALF_P: tl.constexpr, ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
-               PASS_P: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
-               COPY_PASS: tl.constexpr, HAS_POS: tl.constexpr, HAS_TURNS: tl.constexpr,
-               D_CONTIG: tl.constexpr, LIBDEVICE: tl.constexpr, STREAM: tl.constexpr):
-    """A whole program of the head grid: one chunk, its loads issued before the position."""
-    x, y = _load_chunk(in_ptr, row_in, tmask, h0, n_heads, si_h, si_d,
-                       BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG, STREAM)
-    c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s, pos_offset,
-                    n_rows, attn_factor, HALF, HALF_P, HAS_POS, HAS_TURNS, LIBDEVICE, INVERSE)
-    _rotate_store(x, y, c, s, out_ptr, row_out, tmask, h0, n_heads, so_h, so_d,
-                  BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG, STREAM)
-    if COPY_PASS:
-        _copy_pass(in_ptr, out_ptr, row_in, row_out, tmask, h0, n_heads, si_h, si_d, so_h, so_d,
-                   BLOCK_H, ROTARY_DIM, HEAD_DIM, PASS_P, D_CONTIG)
+               pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s, pos_offset,
+               n_rows, sc_row, ss_row, attn_factor, BT: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr,
+               ROT_A: tl.constexpr, ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr,
+               HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
+               PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
+               ANGLES: tl.constexpr, HAS_POS: tl.constexpr, HAS_TURNS: tl.constexpr,
+               LIBDEVICE: tl.constexpr, D_CONTIG: tl.constexpr):
+    """A whole program of the head grid: its chunk's loads go out before the position's."""
+    xa, ya, xb, yb, pa, pb, pc = _load_chunk(
+        in_ptr, row_in, tmask, h0, n_heads, si_h, si_d, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM,
+        HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED, D_CONTIG)
+    ca, sa, cb, sb = _angles(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s,
+                             pos_offset, n_rows, sc_row, ss_row, attn_factor, ANGLES, HALF, ROT_A,
+                             ROT_B, HAS_POS, HAS_TURNS, LIBDEVICE, INVERSE)
+    _rotate_store_chunk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, out_ptr, row_out, tmask, h0,
+                        n_heads, so_h, so_d, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM,
+                        PASS_A, PASS_B, PASS_C, INTERLEAVED, D_CONTIG)
 
 
-@triton.jit(do_not_specialize=["n_tokens", "seq_len", "n_rows", "pos_offset"])
+@triton.jit(do_not_specialize=["pos_offset", "n_tokens", "seq_len", "n_rows"])
 def rope_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, turns_ptr,
-    n_tokens, seq_len, n_rows, pos_offset, attn_factor,
+    pos_offset, attn_factor, n_tokens, seq_len, n_rows,
     sq_b, sq_s, sq_h, sq_d,
     sk_b, sk_s, sk_h, sk_d,
     sqo_b, sqo_s, sqo_h, sqo_d,
     sko_b, sko_s, sko_h, sko_d,
-    sp_b, sp_s,
+    sp_b, sp_s, sc_row, ss_row,
+    # what the call is
     HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
-    HALF_P: tl.constexpr, PASS_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, COPY_PASS: tl.constexpr,
-    HAS_POS: tl.constexpr, HAS_TURNS: tl.constexpr, D_CONTIG: tl.constexpr,
-    LIBDEVICE: tl.constexpr, EARLY: tl.constexpr, HEAD_GRID: tl.constexpr,
-    TOK_SPLIT: tl.constexpr, STREAM: tl.constexpr, PDL: tl.constexpr,
+    INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, D_CONTIG: tl.constexpr,
+    TOK_SPLIT: tl.constexpr, ANGLES: tl.constexpr, HAS_POS: tl.constexpr,
+    HAS_TURNS: tl.constexpr, LIBDEVICE: tl.constexpr,
+    # its pieces: pairs [0, ROT_A) and [ROT_A, ROT_A + ROT_B); pass-through dims from ROTARY_DIM
+    ROT_A: tl.constexpr, ROT_B: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
+    PASS_C: tl.constexpr,
+    # the launch configuration (the policy's choice)
+    HEAD_GRID: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
 ):
     HALF: tl.constexpr = ROTARY_DIM // 2
-    NQC: tl.constexpr = (HQ + BLOCK_H - 1) // BLOCK_H
-    NKC: tl.constexpr = (HK + BLOCK_H - 1) // BLOCK_H
+    NQC: tl.constexpr = (HQ + BLOCK_HQ - 1) // BLOCK_HQ
+    NKC: tl.constexpr = (HK + BLOCK_HK - 1) // BLOCK_HK
     NC: tl.constexpr = NQC + NKC
 
     pid = tl.program_id(0)
@@ -226,7 +336,7 @@ def rope_kernel(
         pid = pid // NC
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < n_tokens
-    if TOK_SPLIT == 1:  # one sequence (thd, decode): no integer division before the loads
+    if TOK_SPLIT == 1:  # one sequence: no integer division before the loads
         b = (t * 0).to(tl.int64)
         sq = t.to(tl.int64)
     elif TOK_SPLIT == 2:  # sequences of one token
@@ -240,59 +350,46 @@ def rope_kernel(
     row_k = b * sk_b + sq * sk_s
     row_ko = b * sko_b + sq * sko_s
 
-    if PDL:
-        # Launched with programmatic stream serialization: wait for the previous kernel (its
-        # writes become visible) before any global access, then let the next kernel launch (its
-        # own wait covers this kernel's writes). Overlaps back-to-back launches (decode).
-        gdc_wait()
-        gdc_launch_dependents()
-
     if HEAD_GRID:
         if ci < NQC:
-            _one_chunk(q_ptr, qo_ptr, row_q, row_qo, ci * BLOCK_H, HQ, sq_h, sq_d, sqo_h, sqo_d,
+            _one_chunk(q_ptr, qo_ptr, row_q, row_qo, ci * BLOCK_HQ, HQ, sq_h, sq_d, sqo_h, sqo_d,
                        pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s,
-                       pos_offset, n_rows, attn_factor, BLOCK_T, BLOCK_H, HALF, HALF_P,
-                       ROTARY_DIM, HEAD_DIM, PASS_P, INTERLEAVED, INVERSE, COPY_PASS, HAS_POS,
-                       HAS_TURNS, D_CONTIG, LIBDEVICE, STREAM)
+                       pos_offset, n_rows, sc_row, ss_row, attn_factor, BLOCK_T, BLOCK_HQ, HALF,
+                       ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED,
+                       INVERSE, ANGLES, HAS_POS, HAS_TURNS, LIBDEVICE, D_CONTIG)
         else:
-            _one_chunk(k_ptr, ko_ptr, row_k, row_ko, (ci - NQC) * BLOCK_H, HK, sk_h, sk_d, sko_h,
-                       sko_d, pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s,
-                       pos_offset, n_rows, attn_factor, BLOCK_T, BLOCK_H, HALF, HALF_P,
-                       ROTARY_DIM, HEAD_DIM, PASS_P, INTERLEAVED, INVERSE, COPY_PASS, HAS_POS,
-                       HAS_TURNS, D_CONTIG, LIBDEVICE, STREAM)
+            _one_chunk(k_ptr, ko_ptr, row_k, row_ko, (ci - NQC) * BLOCK_HK, HK, sk_h, sk_d,
+                       sko_h, sko_d, pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b,
+                       sp_s, pos_offset, n_rows, sc_row, ss_row, attn_factor, BLOCK_T, BLOCK_HK,
+                       HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                       INTERLEAVED, INVERSE, ANGLES, HAS_POS, HAS_TURNS, LIBDEVICE, D_CONTIG)
         return
 
-    # The first chunk (EARLY = 2: the first two) is loaded before the position, so its latency
-    # overlaps the position -> cos/sin chain.
-    x, y = _load_nth(0, NQC, q_ptr, row_q, sq_h, sq_d, HQ, k_ptr, row_k, sk_h, sk_d, HK, tmask,
-                     BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG, STREAM)
-    if EARLY > 1 and NC > 1:
-        xn, yn = _load_nth(1, NQC, q_ptr, row_q, sq_h, sq_d, HQ, k_ptr, row_k, sk_h, sk_d, HK,
-                           tmask, BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG, STREAM)
-
-    c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s, pos_offset,
-                    n_rows, attn_factor, HALF, HALF_P, HAS_POS, HAS_TURNS, LIBDEVICE, INVERSE)
-
+    # Token walk: chunk 0 is loaded before the angles, so its latency overlaps the
+    # position -> table row chain; then chunk c + 1 is loaded before chunk c is rotated and
+    # stored (two chunks in flight). Chunks never overlap, so this is safe in place.
+    xa, ya, xb, yb, pa, pb, pc = _load_nth(
+        0, NQC, q_ptr, row_q, sq_h, sq_d, k_ptr, row_k, sk_h, sk_d, tmask, HQ, HK, BLOCK_T,
+        BLOCK_HQ, BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+        INTERLEAVED, D_CONTIG)
+    ca, sa, cb, sb = _angles(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s,
+                             pos_offset, n_rows, sc_row, ss_row, attn_factor, ANGLES, HALF, ROT_A,
+                             ROT_B, HAS_POS, HAS_TURNS, LIBDEVICE, INVERSE)
     for ci in tl.static_range(NC):
-        # Prefetch chunk ci + 1 before rotating and storing chunk ci.
-        if ci + 1 < NC and not (EARLY > 1 and ci == 0):
-            xn, yn = _load_nth(ci + 1, NQC, q_ptr, row_q, sq_h, sq_d, HQ, k_ptr, row_k, sk_h,
-                               sk_d, HK, tmask, BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED,
-                               D_CONTIG, STREAM)
-        if ci < NQC:
-            h0 = ci * BLOCK_H
-            _rotate_store(x, y, c, s, qo_ptr, row_qo, tmask, h0, HQ, sqo_h, sqo_d,
-                          BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG, STREAM)
-            if COPY_PASS:
-                _copy_pass(q_ptr, qo_ptr, row_q, row_qo, tmask, h0, HQ, sq_h, sq_d, sqo_h, sqo_d,
-                           BLOCK_H, ROTARY_DIM, HEAD_DIM, PASS_P, D_CONTIG)
-        else:
-            h0 = (ci - NQC) * BLOCK_H
-            _rotate_store(x, y, c, s, ko_ptr, row_ko, tmask, h0, HK, sko_h, sko_d,
-                          BLOCK_T, BLOCK_H, HALF, HALF_P, INTERLEAVED, D_CONTIG, STREAM)
-            if COPY_PASS:
-                _copy_pass(k_ptr, ko_ptr, row_k, row_ko, tmask, h0, HK, sk_h, sk_d, sko_h, sko_d,
-                           BLOCK_H, ROTARY_DIM, HEAD_DIM, PASS_P, D_CONTIG)
         if ci + 1 < NC:
-            x = xn
-            y = yn
+            nxa, nya, nxb, nyb, npa, npb, npc = _load_nth(
+                ci + 1, NQC, q_ptr, row_q, sq_h, sq_d, k_ptr, row_k, sk_h, sk_d, tmask, HQ, HK,
+                BLOCK_T, BLOCK_HQ, BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A,
+                PASS_B, PASS_C, INTERLEAVED, D_CONTIG)
+        if ci < NQC:
+            _rotate_store_chunk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, qo_ptr, row_qo,
+                                tmask, ci * BLOCK_HQ, HQ, sqo_h, sqo_d, BLOCK_T, BLOCK_HQ, HALF,
+                                ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                                INTERLEAVED, D_CONTIG)
+        else:
+            _rotate_store_chunk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, ko_ptr, row_ko,
+                                tmask, (ci - NQC) * BLOCK_HK, HK, sko_h, sko_d, BLOCK_T,
+                                BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A,
+                                PASS_B, PASS_C, INTERLEAVED, D_CONTIG)
+        if ci + 1 < NC:
+            xa, ya, xb, yb, pa, pb, pc = nxa, nya, nxb, nyb, npa, npb, npc
