@@ -237,13 +237,14 @@ def test_cpu_bench_end_to_end(tmp_path, capsys):
 def test_cpu_bench_fails_when_a_rope_ops_backend_is_wrong(monkeypatch, capsys):
     from rope_ops_backends.torch_backend import TorchBackend
 
-    real_rotate = TorchBackend._rotate
+    real_run = TorchBackend.run
 
-    def off_by_a_bit(x, out, cos, sin, args, compute_dtype):
-        real_rotate(x, out, cos, sin, args, compute_dtype)
-        out[..., :1].add_(0.5)
+    def off_by_a_bit(self, args):
+        made = real_run(self, args)
+        args.q_out[..., :1].add_(0.5)
+        return made
 
-    monkeypatch.setattr(TorchBackend, "_rotate", staticmethod(off_by_a_bit))
+    monkeypatch.setattr(TorchBackend, "run", off_by_a_bit)
     rope_ops._select.clear_cache()
     try:
         code = cli.main(["bench", "--workloads", "cpu-decode", "--providers", "torch", "--repeats", "1",
