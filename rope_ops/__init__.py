@@ -11,7 +11,7 @@ from ._select import ENV_VAR, use_backend
 from .embedding import RotaryEmbedding
 from .prologue import qkv_prologue
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "apply", "apply_grad", "qkv_prologue", "RotaryEmbedding", "RopeError", "BackendError", "use_backend",
