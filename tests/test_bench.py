@@ -412,3 +412,32 @@ def test_gpu_case_bookkeeping(monkeypatch, name):
     assert ours["pct_floor"] == pytest.approx(100 * expected_floor / 2)
     assert ours["pct_copy"] == pytest.approx(100 * case.bytes_moved() / 2e-6 / 1e12)
     assert "time_us" in hf and "skipped" in liger
+
+
+def test_a_case_or_floor_that_cannot_run_is_recorded_and_fails_the_run(monkeypatch, capsys):
+    def no_inputs(case, device, n_sets, seed=0):
+        raise MemoryError("no room for the inputs")
+
+    monkeypatch.setattr(run_mod, "make_inputs", no_inputs)
+    code = cli.main(["bench", "--workloads", "cpu-decode", "--providers", "torch", "--repeats", "1",
+                     "--time-ms", "1", "--threads", "1"])
+    captured = capsys.readouterr()
+    assert code == 1 and "FAILED: cpu-decode (whole case): MemoryError: no room for the inputs" in captured.err
+    assert "[1/1] cpu-decode" in captured.err
+
+
+@needs_interpreter
+def test_gpu_case_without_its_floor(monkeypatch):
+    from rope_ops.bench import floors
+
+    def broken(*args, **kw):
+        raise RuntimeError("floor kernel failed to compile")
+
+    monkeypatch.setattr(floors, "inplace_floor_time", broken)
+    monkeypatch.setattr(run_mod, "gpu_time_per_call", lambda closures, **kw: ([fn() for fn in closures], 2e-6)[1])
+    monkeypatch.setattr(run_mod, "copy_time", lambda n, device, sets: 1.5e-6)
+    case = tiny(MATRIX["glm4-9b-inplace"])
+    rows = run_mod.gpu_case(case, run_mod.Options(cases=[case], providers=["torch"], device=CPU, sets=2), 1e12)
+    assert "floor kernel failed" in rows[0]["error"] and rows[1]["check"] == "ok"
+    assert "x_floor" not in rows[1] and rows[1]["time_us"] == pytest.approx(2)
+    assert run_mod.failures({"rows": rows}) == [f"{case.name} floor (inplace): RuntimeError: floor kernel failed to compile"]

@@ -43,7 +43,7 @@ GPU_COLUMNS = [
     ("% floor", lambda r: _f(r.get("pct_floor"), ".1f", "")),
     ("targets", _targets),
     ("met", _met),
-    ("check", lambda r: r.get("floor_config", "") if r.get("floor") else _status(r)),
+    ("check", lambda r: r.get("floor_config", "") if r.get("floor") and "error" not in r else _status(r)),
 ]
 
 CPU_COLUMNS = [

@@ -21,6 +21,9 @@ from .inputs import check_outputs, make_inputs
 from .timing import copy_bandwidth, copy_pairs, copy_time, cpu_times, gpu_time_per_call, host_times, l2_bytes
 
 
+CASE_ERROR = "(whole case)"  # the provider name of the row recording a case that could not run
+
+
 @dataclass
 class Options:
     cases: list[Case]
@@ -183,19 +186,24 @@ def gpu_case(case: Case, opts: Options, bandwidth: float) -> list[dict]:
     moved = case.bytes_moved()
     copy_s = copy_time(moved // 2, device, len(sets))
     kind = case.floor_kind()
-    if kind == "copy":
-        floor_s, config = copy_s, "torch copy_"
-    elif kind == "copy-kernel":
-        floor_s, config = floors.copy_kernel_time(moved // 2, device, len(sets))
-    elif kind == "dependent-load":
-        tables = rope.tables(device)
-        floor_s, config = floors.dependent_load_time(case, sets, tables.cos, tables.sin)
-    else:
-        floor_s, config = floors.inplace_floor_time(case, sets)
     base = {"case": case.name, "group": case.group, "bytes": moved, "sets": len(sets)}
-    rows = [{**base, "provider": f"floor ({kind})", "floor_config": config, "time_us": floor_s * 1e6,
-             "GBps": moved / floor_s / 1e9, "pct_copy": 100 * moved / floor_s / bandwidth,
-             "copy_us": copy_s * 1e6, "floor": True}]
+    floor_row = {**base, "provider": f"floor ({kind})", "copy_us": copy_s * 1e6, "floor": True}
+    try:
+        if kind == "copy":
+            floor_s, config = copy_s, "torch copy_"
+        elif kind == "copy-kernel":
+            floor_s, config = floors.copy_kernel_time(moved // 2, device, len(sets))
+        elif kind == "dependent-load":
+            tables = rope.tables(device)
+            floor_s, config = floors.dependent_load_time(case, sets, tables.cos, tables.sin)
+        else:
+            floor_s, config = floors.inplace_floor_time(case, sets)
+        floor_row.update(floor_config=config, time_us=floor_s * 1e6, GBps=moved / floor_s / 1e9,
+                         pct_copy=100 * moved / floor_s / bandwidth)
+    except Exception as error:  # no floor: the rows still get their times, without ratios to it
+        floor_s = None
+        floor_row["error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    rows = [floor_row]
     graph_seconds = (opts.time_ms or 20) / 1e3
     for name in opts.providers:
         provider = providers_mod.make(name)
@@ -204,8 +212,9 @@ def gpu_case(case: Case, opts: Options, bandwidth: float) -> list[dict]:
             closures, check = _check_and_closures(provider, case, sets, rope)
             seconds = gpu_time_per_call(closures, graph_seconds=graph_seconds, repeats=opts.repeats or 5)
             row.update(time_us=seconds * 1e6, GBps=moved / seconds / 1e9, pct_copy=100 * moved / seconds / bandwidth,
-                       x_floor=seconds / floor_s, pct_floor=100 * floor_s / seconds, x_copy=seconds / copy_s,
-                       check=check)
+                       x_copy=seconds / copy_s, check=check)
+            if floor_s is not None:
+                row.update(x_floor=seconds / floor_s, pct_floor=100 * floor_s / seconds)
             del closures
         except providers_mod.Skip as why:
             row["skipped"] = str(why)
@@ -342,13 +351,18 @@ def run(opts: Options) -> dict:
         results["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
     for case in opts.cases:
         t0 = time.perf_counter()
-        if device.type == "cuda":
-            rows = gpu_case(case, opts, results["copy_bandwidth_GBps"] * 1e9)
-        else:
-            rows = cpu_case(case, opts)
+        try:
+            if device.type == "cuda":
+                rows = gpu_case(case, opts, results["copy_bandwidth_GBps"] * 1e9)
+            else:
+                rows = cpu_case(case, opts)
+        except Exception as error:  # the case as a whole (inputs, copy): record it, go on
+            rows = [{"case": case.name, "group": case.group, "provider": CASE_ERROR,
+                     "error": f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"}]
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         results["rows"] += rows
-        bad = [r["provider"] for r in rows if r["provider"].startswith("rope_ops:")
-               and ("error" in r or str(r.get("check", "")).startswith("MISMATCH"))]
+        bad = [r["provider"] for r in rows if _failed(r)]
         progress.case_done(case, time.perf_counter() - t0, f"FAILED: {', '.join(bad)}" if bad else "")
         if opts.after_case:
             opts.after_case(results)
@@ -379,11 +393,18 @@ def merge(parts: list[dict]) -> dict:
     return merged
 
 
+def _failed(row: dict) -> bool:
+    if row["provider"] == CASE_ERROR or (row.get("floor") and "error" in row):
+        return True
+    return row["provider"].startswith("rope_ops:") and ("error" in row or str(row.get("check", "")).startswith("MISMATCH"))
+
+
 def failures(results: dict) -> list[str]:
-    """rope_ops rows that errored or whose outputs failed the check (the run's exit status), and
-    policy choices whose outputs failed it."""
+    """What makes the run fail (its exit status): rope_ops rows that errored or whose outputs
+    failed the check, a case or floor that could not run, policy choices whose outputs failed
+    the check."""
     bad = [f"{r['case']} {r['provider']}: {r.get('error') or r.get('check')}" for r in results.get("rows", [])
-           if r["provider"].startswith("rope_ops:") and ("error" in r or str(r.get("check", "")).startswith("MISMATCH"))]
+           if _failed(r)]
     for entry in results.get("candidates", []):
         policy = next((c for c in entry["candidates"] if c["label"] == entry.get("policy")), None)
         if policy is not None and (policy.get("error") or str(policy.get("check", "")).startswith("MISMATCH")):
