@@ -17,6 +17,9 @@ struct RopeF16 {
 
 enum RopeCpuDtype : int { ROPE_CPU_F32 = 0, ROPE_CPU_F16 = 1, ROPE_CPU_BF16 = 2 };
 enum RopeCpuPosKind : int { ROPE_CPU_POS_OFFSET = 0, ROPE_CPU_POS_I32 = 1, ROPE_CPU_POS_I64 = 2 };
+// Where a token's angles come from (KernelArgs.angles): its position's table row; its own row of
+// per-token tables; or, mRoPE, each frequency from the row of one of its three positions.
+enum RopeCpuAngles : int { ROPE_CPU_ANGLES_TABLE = 0, ROPE_CPU_ANGLES_TOKEN = 1, ROPE_CPU_ANGLES_MROPE = 2 };
 
 // One tensor as a [B, S, H, D] strided view (element strides; the batch stride is 0 for thd).
 struct RopeCpuTensor {
@@ -34,19 +37,26 @@ struct RopeCpuParams {
   int64_t half = 0;  // rotary_dim / 2: pairs per head
   RopeCpuTensor q, k;
 
-  // Positions: token (b, s) has position pos_offset + s, or pos[b * pos_stride_b + s * pos_stride_s].
+  // Positions: token (b, s) has position pos_offset + s, or pos[b * pos_stride_b + s * pos_stride_s]
+  // (mRoPE: axis a's position at pos[a * pos_stride_axis + b * pos_stride_b + s * pos_stride_s]).
   int pos_kind = ROPE_CPU_POS_OFFSET;
   const void* pos = nullptr;
-  int64_t pos_stride_b = 0, pos_stride_s = 0;
+  int64_t pos_stride_axis = 0, pos_stride_b = 0, pos_stride_s = 0;
   int64_t pos_offset = 0;
 
-  // The angle source: float32 tables [table_rows, half] of m*cos and m*sin; rows outside
-  // [0, table_rows) are computed from freq_turns (fixed-point turns per position), or are NaN
-  // when freq_turns is null (caller tables).
-  const float* cos = nullptr;
-  const float* sin = nullptr;
+  // The angle source. cos/sin hold m*cos and m*sin (float32, float16 or bfloat16: table_dtype),
+  // stride 1 along frequencies. Table and mRoPE: rows [table_rows, half], row p at p * stride[0];
+  // rows outside [0, table_rows) are computed from freq_turns (fixed-point turns per position),
+  // or are NaN when freq_turns is null (caller tables). Per token: token (b, s)'s row at
+  // b * stride[0] + s * stride[1].
+  int angles = ROPE_CPU_ANGLES_TABLE;
+  int table_dtype = ROPE_CPU_F32;
+  const void* cos = nullptr;
+  const void* sin = nullptr;
+  int64_t cos_stride[2] = {0, 0}, sin_stride[2] = {0, 0};
   int64_t table_rows = 0;
   const int64_t* freq_turns = nullptr;
+  const int64_t* mrope_axis = nullptr;  // mRoPE: the position axis (0, 1, 2) of each frequency
   double attention_factor = 1.0;
 
   bool interleaved = false;  // gptj pairs (2i, 2i+1); neox pairs (i, i + half)

@@ -154,11 +154,96 @@ void fill_tensor(RopeCpuTensor& dst, const at::Tensor& x, const at::Tensor& out,
 // The kernels keep a block's rows computed on the fly on the stack: at most this many pairs.
 constexpr int64_t kMaxHalf = 4096;
 
+// The angle source's tensors: positions (table, mRoPE), and cos/sin tables of any float dtype
+// with stride 1 along frequencies (rows may be strided: the halves of one [P, r] cache).
+void fill_angles(RopeCpuParams& p, const at::Tensor* pos, int64_t pos_offset, const at::Tensor& cos,
+                 const at::Tensor& sin, const at::Tensor* freq_turns, const at::Tensor* mrope_axis,
+                 double attention_factor, int64_t angles) {
+  TORCH_CHECK(angles >= ROPE_CPU_ANGLES_TABLE && angles <= ROPE_CPU_ANGLES_MROPE,
+              "rope_ops_cpu: angles code ", angles, " not in 0..2 (table, token, mrope)");
+  p.angles = static_cast<int>(angles);
+  const bool mrope = angles == ROPE_CPU_ANGLES_MROPE;
+  if (pos != nullptr) {
+    const at::Tensor& t = *pos;
+    TORCH_CHECK(angles != ROPE_CPU_ANGLES_TOKEN, "rope_ops_cpu: per-token angles take no positions");
+    TORCH_CHECK(t.device().is_cpu(), "rope_ops_cpu: pos must be a CPU tensor");
+    TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong,
+                "rope_ops_cpu: pos must be int32 or int64");
+    p.pos = t.data_ptr();
+    p.pos_kind = t.scalar_type() == at::kInt ? ROPE_CPU_POS_I32 : ROPE_CPU_POS_I64;
+    const int64_t lead = mrope ? 1 : 0;  // mRoPE: the leading axis of 3 positions (t, h, w)
+    if (mrope) {
+      TORCH_CHECK(t.dim() >= 2 && t.size(0) == 3, "rope_ops_cpu: mRoPE positions must be [3, ...]");
+      p.pos_stride_axis = t.stride(0);
+    }
+    if (t.dim() == lead + 1) {
+      TORCH_CHECK(t.size(lead) == p.seq, "rope_ops_cpu: pos has ", t.size(lead),
+                  " positions a row, expected ", p.seq);
+      p.pos_stride_b = 0;
+      p.pos_stride_s = t.stride(lead);
+    } else {
+      TORCH_CHECK(t.dim() == lead + 2 && t.size(lead) == p.batch && t.size(lead + 1) == p.seq,
+                  "rope_ops_cpu: pos must be [S] or [B, S] (mRoPE: [3, S] or [3, B, S])");
+      p.pos_stride_b = t.stride(lead);
+      p.pos_stride_s = t.stride(lead + 1);
+    }
+  } else {
+    TORCH_CHECK(!mrope, "rope_ops_cpu: mRoPE needs positions");
+    p.pos_kind = ROPE_CPU_POS_OFFSET;
+    p.pos_offset = pos_offset;
+  }
+
+  TORCH_CHECK(cos.scalar_type() == sin.scalar_type() && cos.sizes() == sin.sizes() &&
+                  cos.device().is_cpu() && sin.device().is_cpu(),
+              "rope_ops_cpu: cos and sin must be CPU tensors of one dtype and shape");
+  p.table_dtype = dtype_code(cos.scalar_type());
+  const int64_t rank = angles == ROPE_CPU_ANGLES_TOKEN ? 3 : 2;
+  TORCH_CHECK(cos.dim() == rank && cos.size(rank - 1) == p.half,
+              "rope_ops_cpu: cos/sin must be ", rank == 3 ? "[B, S, " : "[P, ", "rotary_dim/2]");
+  TORCH_CHECK(p.half == 1 || (cos.stride(rank - 1) == 1 && sin.stride(rank - 1) == 1),
+              "rope_ops_cpu: cos/sin must have stride 1 along frequencies");
+  if (rank == 3) {
+    TORCH_CHECK((cos.size(0) == p.batch || cos.size(0) == 1) && cos.size(1) == p.seq,
+                "rope_ops_cpu: per-token cos/sin must be [B, S, rotary_dim/2]");
+    for (int i = 0; i < 2; ++i) {
+      p.cos_stride[i] = cos.size(i) == 1 ? 0 : cos.stride(i);
+      p.sin_stride[i] = sin.size(i) == 1 ? 0 : sin.stride(i);
+    }
+  } else {
+    p.table_rows = cos.size(0);
+    p.cos_stride[0] = cos.stride(0);
+    p.sin_stride[0] = sin.stride(0);
+  }
+  p.cos = cos.data_ptr();
+  p.sin = sin.data_ptr();
+  if (freq_turns != nullptr) {
+    const at::Tensor& f = *freq_turns;
+    TORCH_CHECK(f.scalar_type() == at::kLong && f.is_contiguous() && f.numel() == p.half &&
+                    f.device().is_cpu(),
+                "rope_ops_cpu: freq_turns must be a contiguous int64 CPU tensor [rotary_dim/2]");
+    p.freq_turns = f.data_ptr<int64_t>();
+  }
+  if (mrope) {
+    TORCH_CHECK(mrope_axis != nullptr && mrope_axis->scalar_type() == at::kLong &&
+                    mrope_axis->is_contiguous() && mrope_axis->numel() == p.half &&
+                    mrope_axis->device().is_cpu(),
+                "rope_ops_cpu: mRoPE needs mrope_axis, a contiguous int64 CPU tensor [rotary_dim/2]");
+    const int64_t* axis = mrope_axis->data_ptr<int64_t>();
+    for (int64_t i = 0; i < p.half; ++i) {
+      TORCH_CHECK(axis[i] >= 0 && axis[i] < 3, "rope_ops_cpu: mrope_axis values must be 0, 1 or 2");
+    }
+    p.mrope_axis = axis;
+  }
+  p.attention_factor = attention_factor;
+}
+
 RopeCpuParams make_params(const at::Tensor& q, const at::Tensor* k, const at::Tensor& q_out,
                           const at::Tensor* k_out, const at::Tensor* pos, int64_t pos_offset,
                           const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor* freq_turns, double attention_factor, int64_t layout,
-                          int64_t rotary_dim, bool interleaved, bool inverse, bool inplace) {
+                          int64_t rotary_dim, bool interleaved, bool inverse, bool inplace,
+                          int64_t angles = ROPE_CPU_ANGLES_TABLE,
+                          const at::Tensor* mrope_axis = nullptr) {
   TORCH_CHECK(layout >= 0 && layout <= 3, "rope_ops_cpu: layout code ", layout,
               " not in 0..3 (bshd, sbhd, bhsd, thd)");
   RopeCpuParams p;
@@ -184,46 +269,7 @@ RopeCpuParams make_params(const at::Tensor& q, const at::Tensor* k, const at::Te
   p.copy_passthrough = !inplace && rotary_dim < p.head_dim;
   p.contiguous_dim = p.q.in_stride[3] == 1 && p.q.out_stride[3] == 1 &&
                      (k == nullptr || (p.k.in_stride[3] == 1 && p.k.out_stride[3] == 1));
-
-  if (pos != nullptr) {
-    const at::Tensor& t = *pos;
-    TORCH_CHECK(t.device().is_cpu(), "rope_ops_cpu: pos must be a CPU tensor");
-    TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong,
-                "rope_ops_cpu: pos must be int32 or int64");
-    p.pos = t.data_ptr();
-    p.pos_kind = t.scalar_type() == at::kInt ? ROPE_CPU_POS_I32 : ROPE_CPU_POS_I64;
-    if (t.dim() == 1) {
-      TORCH_CHECK(t.size(0) == p.seq, "rope_ops_cpu: pos has ", t.size(0), " entries, expected ",
-                  p.seq);
-      p.pos_stride_b = 0;
-      p.pos_stride_s = t.stride(0);
-    } else {
-      TORCH_CHECK(t.dim() == 2 && t.size(0) == p.batch && t.size(1) == p.seq,
-                  "rope_ops_cpu: pos must be [S] or [B, S]");
-      p.pos_stride_b = t.stride(0);
-      p.pos_stride_s = t.stride(1);
-    }
-  } else {
-    p.pos_kind = ROPE_CPU_POS_OFFSET;
-    p.pos_offset = pos_offset;
-  }
-
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-                  cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
-                  sin.sizes() == cos.sizes() && cos.size(1) == p.half && cos.device().is_cpu() &&
-                  sin.device().is_cpu(),
-              "rope_ops_cpu: cos/sin must be contiguous float32 CPU tensors [P, rotary_dim/2]");
-  p.cos = cos.data_ptr<float>();
-  p.sin = sin.data_ptr<float>();
-  p.table_rows = cos.size(0);
-  if (freq_turns != nullptr) {
-    const at::Tensor& f = *freq_turns;
-    TORCH_CHECK(f.scalar_type() == at::kLong && f.is_contiguous() && f.numel() == p.half &&
-                    f.device().is_cpu(),
-                "rope_ops_cpu: freq_turns must be a contiguous int64 CPU tensor [rotary_dim/2]");
-    p.freq_turns = f.data_ptr<int64_t>();
-  }
-  p.attention_factor = attention_factor;
+  fill_angles(p, pos, pos_offset, cos, sin, freq_turns, mrope_axis, attention_factor, angles);
   return p;
 }
 
@@ -276,12 +322,13 @@ py::object rope(const at::Tensor& q, const std::optional<at::Tensor>& k,
                 const std::optional<at::Tensor>& pos, int64_t pos_offset, const at::Tensor& cos,
                 const at::Tensor& sin, const std::optional<at::Tensor>& freq_turns,
                 double attention_factor, int64_t layout, int64_t rotary_dim, bool interleaved,
-                bool inverse, bool inplace) {
+                bool inverse, bool inplace, int64_t angles = ROPE_CPU_ANGLES_TABLE,
+                const std::optional<at::Tensor>& mrope_axis = std::nullopt) {
   const at::Tensor* kp = opt_ptr(k);
   if (q_out.has_value() && q_out->defined()) {
     run(make_params(q, kp, *q_out, opt_ptr(k_out), opt_ptr(pos), pos_offset, cos, sin,
                     opt_ptr(freq_turns), attention_factor, layout, rotary_dim, interleaved,
-                    inverse, inplace));
+                    inverse, inplace, angles, opt_ptr(mrope_axis)));
     return py::none();
   }
   TORCH_CHECK(!inplace, "rope_ops_cpu: in place needs q_out (q itself)");
@@ -291,7 +338,7 @@ py::object rope(const at::Tensor& q, const std::optional<at::Tensor>& k,
   if (kp != nullptr) ko = empty_like_cpu(*kp);
   run(make_params(q, kp, qo, kp != nullptr ? &ko : nullptr, opt_ptr(pos), pos_offset, cos, sin,
                   opt_ptr(freq_turns), attention_factor, layout, rotary_dim, interleaved, inverse,
-                  false));
+                  false, angles, opt_ptr(mrope_axis)));
   if (kp == nullptr) return py::make_tuple(qo, py::none());
   return py::make_tuple(qo, ko);
 }
@@ -408,7 +455,9 @@ struct GuardedRope {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope,
         "rope(q, k, q_out, k_out, pos, pos_offset, cos, sin, freq_turns, attention_factor, "
-        "layout, rotary_dim, interleaved, inverse, inplace) -> None | (q_out, k_out)");
+        "layout, rotary_dim, interleaved, inverse, inplace, angles=0, mrope_axis=None) -> "
+        "None | (q_out, k_out); angles: 0 table, 1 per token, 2 mRoPE (mrope_axis: each "
+        "frequency's position axis)");
   m.def("isa", &isa, "the instruction set the kernels run with now");
   m.def("set_isa", &set_isa, "set_isa(name) -> previous name: run the kernels with instruction "
         "set name (one of available_isas())");

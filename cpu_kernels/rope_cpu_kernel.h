@@ -15,9 +15,9 @@
 //   to_float(T), from_float<T>(float), fmadd_s, fmsub_s: the same operations on one element.
 //
 // The two stages of a block of tokens:
-//   angle source: each token's position -> a pointer to its cos/sin row (a table row, or a row
-//     computed on the fly into scratch); variants (per-token caller cos/sin, multi-axis mRoPE
-//     positions) replace this stage only.
+//   angle source: each token -> pointers to its cos/sin row: its position's table row, a row
+//     computed on the fly, its own per-token row, or (mRoPE) a row gathered frequency by
+//     frequency from three positions; variants of the angles plug in here only.
 //   load/rotate/store: every head of q and k rotated by its token's row, in float32, rounded to
 //     the storage type once.
 // Arithmetic: x' = x*c - y*s and y' = y*c + x*s, each with one rounding of the difference/sum
@@ -61,7 +61,9 @@ inline RopeBf16 float_to_bf16(float f) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Angle source.
+// Angle source: each token of a block gets pointers to its rows of half cos and half sin values
+// (float32), pointing into a float32 table or into scratch where they had to be made: converted
+// from float16/bfloat16, computed on the fly, or gathered (mRoPE).
 
 struct Block {
   int64_t count;  // tokens in this block
@@ -70,64 +72,144 @@ struct Block {
   const float* sin[kMaxBlockTokens];
 };
 
-inline int64_t position_at(const RopeCpuParams& p, int64_t b, int64_t s) {
+template <class T>
+struct IsFloat32 {
+  static constexpr bool value = false;
+};
+template <>
+struct IsFloat32<float> {
+  static constexpr bool value = true;
+};
+
+inline int64_t position_at(const RopeCpuParams& p, int64_t axis, int64_t b, int64_t s) {
+  const int64_t index = axis * p.pos_stride_axis + b * p.pos_stride_b + s * p.pos_stride_s;
   switch (p.pos_kind) {
     case ROPE_CPU_POS_I32:
-      return static_cast<const int32_t*>(p.pos)[b * p.pos_stride_b + s * p.pos_stride_s];
+      return static_cast<const int32_t*>(p.pos)[index];
     case ROPE_CPU_POS_I64:
-      return static_cast<const int64_t*>(p.pos)[b * p.pos_stride_b + s * p.pos_stride_s];
+      return static_cast<const int64_t*>(p.pos)[index];
     default:
       return p.pos_offset + s;
   }
 }
 
-// m*cos and m*sin of any integer position from fixed-point turns: the wrapping 64-bit product
-// position * freq_turns[i] is the angle as a fraction of a turn, exact to the frequencies' own
-// rounding. Reduced exactly in integers to the nearest quarter turn plus |x| <= pi/4, then
-// Taylor series in float64 (truncation below 1e-10) and one rounding to float32.
-inline void cos_sin_from_turns(int64_t position, const int64_t* freq_turns, int64_t half,
-                               double factor, float* c, float* s) {
-  const uint64_t p = static_cast<uint64_t>(position);
+inline bool in_table(const RopeCpuParams& p, int64_t pos) {
+  return static_cast<uint64_t>(pos) < static_cast<uint64_t>(p.table_rows);
+}
+
+// m*cos and m*sin of the angle `turns` (a 64-bit fraction of a turn): reduced exactly in integers
+// to the nearest quarter turn plus |x| <= pi/4, then Taylor series in float64 (truncation below
+// 1e-10) and one rounding to float32.
+inline void cos_sin_of_turns(uint64_t turns, double factor, float* c, float* s) {
   constexpr double kRadiansPerUnit = 6.283185307179586476925 / 18446744073709551616.0;  // 2pi/2^64
   constexpr uint64_t kEighthTurn = uint64_t{1} << 61;
-  for (int64_t i = 0; i < half; ++i) {
-    const uint64_t turns = p * static_cast<uint64_t>(freq_turns[i]) + kEighthTurn;
-    const uint64_t quadrant = turns >> 62;  // nearest quarter turn
-    const int64_t rest = static_cast<int64_t>(turns & ((uint64_t{1} << 62) - 1)) -
-                         static_cast<int64_t>(kEighthTurn);
-    const double x = static_cast<double>(rest) * kRadiansPerUnit;
-    const double x2 = x * x;
-    const double sin_x =
-        x * (1.0 + x2 * (-1.0 / 6 + x2 * (1.0 / 120 + x2 * (-1.0 / 5040 + x2 * (1.0 / 362880 +
-                                                                   x2 * (-1.0 / 39916800))))));
-    const double cos_x =
-        1.0 + x2 * (-1.0 / 2 + x2 * (1.0 / 24 + x2 * (-1.0 / 720 + x2 * (1.0 / 40320 +
-                                                          x2 * (-1.0 / 3628800 + x2 / 479001600)))));
-    // the angle is quadrant quarter turns plus x
-    const double cos_a = quadrant == 0 ? cos_x : quadrant == 1 ? -sin_x : quadrant == 2 ? -cos_x : sin_x;
-    const double sin_a = quadrant == 0 ? sin_x : quadrant == 1 ? cos_x : quadrant == 2 ? -sin_x : -cos_x;
-    c[i] = static_cast<float>(factor * cos_a);
-    s[i] = static_cast<float>(factor * sin_a);
+  const uint64_t biased = turns + kEighthTurn;
+  const uint64_t quadrant = biased >> 62;  // nearest quarter turn
+  const int64_t rest = static_cast<int64_t>(biased & ((uint64_t{1} << 62) - 1)) -
+                       static_cast<int64_t>(kEighthTurn);
+  const double x = static_cast<double>(rest) * kRadiansPerUnit;
+  const double x2 = x * x;
+  const double sin_x =
+      x * (1.0 + x2 * (-1.0 / 6 + x2 * (1.0 / 120 + x2 * (-1.0 / 5040 + x2 * (1.0 / 362880 +
+                                                                 x2 * (-1.0 / 39916800))))));
+  const double cos_x =
+      1.0 + x2 * (-1.0 / 2 + x2 * (1.0 / 24 + x2 * (-1.0 / 720 + x2 * (1.0 / 40320 +
+                                                        x2 * (-1.0 / 3628800 + x2 / 479001600)))));
+  // the angle is quadrant quarter turns plus x
+  const double cos_a = quadrant == 0 ? cos_x : quadrant == 1 ? -sin_x : quadrant == 2 ? -cos_x : sin_x;
+  const double sin_a = quadrant == 0 ? sin_x : quadrant == 1 ? cos_x : quadrant == 2 ? -sin_x : -cos_x;
+  *c = static_cast<float>(factor * cos_a);
+  *s = static_cast<float>(factor * sin_a);
+}
+
+// The row of a position outside the table: exact from fixed-point turns (the wrapping product
+// position * freq_turns[i] is the angle as a fraction of a turn), or NaN with caller tables.
+inline void row_outside_table(const RopeCpuParams& p, int64_t pos, float* c, float* s) {
+  if (p.freq_turns == nullptr) {
+    for (int64_t i = 0; i < p.half; ++i) c[i] = s[i] = __builtin_nanf("");
+    return;
+  }
+  const uint64_t position = static_cast<uint64_t>(pos);
+  for (int64_t i = 0; i < p.half; ++i) {
+    cos_sin_of_turns(position * static_cast<uint64_t>(p.freq_turns[i]), p.attention_factor,
+                     c + i, s + i);
   }
 }
 
-// The table variant: a row of the table for positions in [0, table_rows), otherwise computed
-// on the fly (or NaN with caller tables). Never reads outside the table.
-inline void table_angles(const RopeCpuParams& p, Block& blk, float* scratch) {
-  const int64_t half = p.half;
-  for (int64_t j = 0; j < blk.count; ++j) {
-    const int64_t pos = position_at(p, blk.b[j], blk.s[j]);
-    if (static_cast<uint64_t>(pos) < static_cast<uint64_t>(p.table_rows)) {
-      blk.cos[j] = p.cos + pos * half;
-      blk.sin[j] = p.sin + pos * half;
-      continue;
+// Point at a float32 row, or convert a float16/bfloat16 one into scratch.
+template <class V, class Tab>
+inline void take_row(const Tab* cos_row, const Tab* sin_row, int64_t half, float* c, float* s,
+                     const float** cos_out, const float** sin_out) {
+  if constexpr (IsFloat32<Tab>::value) {
+    *cos_out = cos_row;
+    *sin_out = sin_row;
+  } else {
+    for (int64_t i = 0; i < half; ++i) {
+      c[i] = V::to_float(cos_row[i]);
+      s[i] = V::to_float(sin_row[i]);
     }
-    float* c = scratch + 2 * j * half;
-    float* s = c + half;
-    if (p.freq_turns != nullptr) {
-      cos_sin_from_turns(pos, p.freq_turns, half, p.attention_factor, c, s);
+    *cos_out = c;
+    *sin_out = s;
+  }
+}
+
+// Table rows by position; never reads outside the table.
+template <class V, class Tab>
+void table_angles(const RopeCpuParams& p, Block& blk, float* scratch) {
+  const Tab* cos = static_cast<const Tab*>(p.cos);
+  const Tab* sin = static_cast<const Tab*>(p.sin);
+  for (int64_t j = 0; j < blk.count; ++j) {
+    float* c = scratch + 2 * j * p.half;
+    float* s = c + p.half;
+    const int64_t pos = position_at(p, 0, blk.b[j], blk.s[j]);
+    if (in_table(p, pos)) {
+      take_row<V>(cos + pos * p.cos_stride[0], sin + pos * p.sin_stride[0], p.half, c, s,
+                  &blk.cos[j], &blk.sin[j]);
     } else {
-      for (int64_t i = 0; i < half; ++i) c[i] = s[i] = __builtin_nanf("");
+      row_outside_table(p, pos, c, s);
+      blk.cos[j] = c;
+      blk.sin[j] = s;
+    }
+  }
+}
+
+// Per-token rows: token (b, s)'s own row, no positions.
+template <class V, class Tab>
+void token_angles(const RopeCpuParams& p, Block& blk, float* scratch) {
+  const Tab* cos = static_cast<const Tab*>(p.cos);
+  const Tab* sin = static_cast<const Tab*>(p.sin);
+  for (int64_t j = 0; j < blk.count; ++j) {
+    float* c = scratch + 2 * j * p.half;
+    const int64_t b = blk.b[j], s = blk.s[j];
+    take_row<V>(cos + b * p.cos_stride[0] + s * p.cos_stride[1],
+                sin + b * p.sin_stride[0] + s * p.sin_stride[1], p.half, c, c + p.half,
+                &blk.cos[j], &blk.sin[j]);
+  }
+}
+
+// mRoPE: frequency i of a token takes the row of its position on axis mrope_axis[i], one value
+// at a time (rows outside the table on the fly, or NaN).
+template <class V, class Tab>
+void mrope_angles(const RopeCpuParams& p, Block& blk, float* scratch) {
+  const Tab* cos = static_cast<const Tab*>(p.cos);
+  const Tab* sin = static_cast<const Tab*>(p.sin);
+  const float nan = __builtin_nanf("");
+  for (int64_t j = 0; j < blk.count; ++j) {
+    float* c = scratch + 2 * j * p.half;
+    float* s = c + p.half;
+    int64_t pos[3];
+    for (int64_t axis = 0; axis < 3; ++axis) pos[axis] = position_at(p, axis, blk.b[j], blk.s[j]);
+    for (int64_t i = 0; i < p.half; ++i) {
+      const int64_t at = pos[p.mrope_axis[i]];
+      if (in_table(p, at)) {
+        c[i] = V::to_float(cos[at * p.cos_stride[0] + i]);
+        s[i] = V::to_float(sin[at * p.sin_stride[0] + i]);
+      } else if (p.freq_turns != nullptr) {
+        cos_sin_of_turns(static_cast<uint64_t>(at) * static_cast<uint64_t>(p.freq_turns[i]),
+                         p.attention_factor, c + i, s + i);
+      } else {
+        c[i] = s[i] = nan;
+      }
     }
     blk.cos[j] = c;
     blk.sin[j] = s;
@@ -291,11 +373,28 @@ BlockFn pick_for_type(const RopeCpuParams& p) {
   return p.interleaved ? pick_half<V, T, true>(p.half) : pick_half<V, T, false>(p.half);
 }
 
+using AngleFn = void (*)(const RopeCpuParams&, Block&, float*);
+
+template <class V, class Tab>
+AngleFn pick_angles_for_table(int angles) {
+  switch (angles) {
+    case ROPE_CPU_ANGLES_TOKEN:
+      return token_angles<V, Tab>;
+    case ROPE_CPU_ANGLES_MROPE:
+      return mrope_angles<V, Tab>;
+    default:
+      return table_angles<V, Tab>;
+  }
+}
+
 template <class V>
 void run_tokens(const RopeCpuParams& p, int64_t begin, int64_t end) {
   const BlockFn rotate = p.dtype == ROPE_CPU_BF16  ? pick_for_type<V, RopeBf16>(p)
                          : p.dtype == ROPE_CPU_F16 ? pick_for_type<V, RopeF16>(p)
                                                    : pick_for_type<V, float>(p);
+  const AngleFn angles = p.table_dtype == ROPE_CPU_BF16  ? pick_angles_for_table<V, RopeBf16>(p.angles)
+                         : p.table_dtype == ROPE_CPU_F16 ? pick_angles_for_table<V, RopeF16>(p.angles)
+                                                         : pick_angles_for_table<V, float>(p.angles);
   alignas(64) float scratch[kScratchFloats];
   int64_t per_block = kScratchFloats / (2 * p.half);  // the binding keeps half <= kScratchFloats/2
   if (per_block > kMaxBlockTokens) per_block = kMaxBlockTokens;
@@ -311,7 +410,7 @@ void run_tokens(const RopeCpuParams& p, int64_t begin, int64_t end) {
         ++b;
       }
     }
-    table_angles(p, blk, scratch);
+    angles(p, blk, scratch);
     rotate(p, blk);
   }
 }

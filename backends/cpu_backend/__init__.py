@@ -20,6 +20,7 @@ forces one instruction set, for tests and benchmarks; ``use_isa`` does the same 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 import shutil
@@ -42,6 +43,7 @@ PREBUILD_COMMAND = "python -m rope_ops_backends.cpu_backend build"
 MAX_ROTARY_DIM = 8192
 
 _LAYOUT_CODES = {"bshd": 0, "sbhd": 1, "bhsd": 2, "thd": 3}
+_ANGLE_CODES = {"table": 0, "token": 1, "mrope": 2}  # RopeCpuAngles in cpu_kernels/rope_cpu.h
 
 _lock = threading.Lock()
 _state: dict = {"module": None, "reasons": None}  # one per process
@@ -158,12 +160,22 @@ def use_isa(name: str):
 _is_compiling = torch.compiler.is_compiling
 
 
+@functools.lru_cache(maxsize=64)
+def _mrope_axes(section: tuple, interleaved: bool) -> torch.Tensor:
+    """Each frequency's position axis (0 t, 1 h, 2 w) as a contiguous int64 CPU tensor."""
+    from rope_ops._mrope import mrope_axes
+
+    return mrope_axes(section, interleaved).contiguous()
+
+
 class CpuBackend(Backend):
     name = "cpu"
     priority = 10  # above the torch fallback
     allocates_outputs = True  # out of place, run() allocates q_out / k_out in C++ when given None
     device_types = frozenset({"cpu"})
     dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    angle_kinds = frozenset(_ANGLE_CODES)
+    table_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
     def availability(self) -> list[str]:
         reasons = _state["reasons"]
@@ -189,10 +201,13 @@ class CpuBackend(Backend):
         """Rotate args.q / args.k into args.q_out / args.k_out and return None; or, out of place
         with args.q_out None, allocate the outputs and return (q_out, k_out)."""
         module = _state["module"] or _module()
+        axes = None
+        if args.angles == "mrope":
+            axes = _mrope_axes(tuple(args.mrope_section), bool(args.mrope_interleaved))
         return module.rope(args.q, args.k, args.q_out, args.k_out, args.pos, args.pos_offset,
                            args.cos, args.sin, args.freq_turns, args.attention_factor,
                            _LAYOUT_CODES[args.layout], args.rotary_dim, args.interleaved,
-                           args.inverse, args.inplace)
+                           args.inverse, args.inplace, _ANGLE_CODES[args.angles], axes)
 
     def bind(self, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved, inverse):
         """The C++ BoundRope (with a C++ guard): rope_ops.apply's cached plans call it with
