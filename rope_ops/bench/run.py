@@ -306,6 +306,41 @@ def candidate_entries(case: Case, opts: Options, modules: dict) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
+def run_candidates(opts: Options, results: dict, progress: Progress) -> dict:
+    """--candidates: the kernel candidates of each backend that exposes them, on every case."""
+    from .candidates import CANDIDATE_BACKENDS, backend_module
+
+    wanted = [b for b in CANDIDATE_BACKENDS if b in opts.providers] or list(CANDIDATE_BACKENDS)
+    modules, missing = {}, {}
+    for name in wanted:
+        module, why = backend_module(name)
+        if module is None:
+            missing[name] = why
+            continue
+        try:
+            reasons = rope_ops.registry.availability(rope_ops.registry.get(name))
+        except rope_ops.BackendError as error:
+            reasons = [str(error)]
+        if reasons:
+            missing[name] = "unavailable: " + "; ".join(reasons)
+        else:
+            modules[name] = module
+    results["candidates"], results["candidates_missing"] = [], missing
+    for case in opts.cases:
+        t0 = time.perf_counter()
+        if modules:
+            try:
+                results["candidates"] += candidate_entries(case, opts, modules)
+            except Exception as error:  # the case's inputs: record it, go on
+                results["candidates"].append({"case": case.name, "backend": ", ".join(modules), "direction": "-",
+                                              "candidates": [], "error": f"{type(error).__name__}: {error}"})
+                torch.cuda.empty_cache()
+        progress.case_done(case, time.perf_counter() - t0)
+        if opts.after_case:
+            opts.after_case(results)
+    return results
+
+
 def run(opts: Options) -> dict:
     device = opts.device
     if opts.threads:
@@ -324,29 +359,7 @@ def run(opts: Options) -> dict:
           + (", kernel candidates" if opts.candidates else f", providers {', '.join(results['providers'])}"),
           file=opts.progress, flush=True)
     if opts.candidates:
-        from .candidates import CANDIDATE_BACKENDS, backend_module
-
-        wanted = [b for b in CANDIDATE_BACKENDS if b in opts.providers] or list(CANDIDATE_BACKENDS)
-        modules, missing = {}, {}
-        for name in wanted:
-            module, why = backend_module(name)
-            if module is None:
-                missing[name] = why
-                continue
-            reasons = rope_ops.registry.availability(rope_ops.registry.get(name))
-            if reasons:
-                missing[name] = "unavailable: " + "; ".join(reasons)
-            else:
-                modules[name] = module
-        results["candidates"], results["candidates_missing"] = [], missing
-        for case in opts.cases:
-            t0 = time.perf_counter()
-            if modules:
-                results["candidates"] += candidate_entries(case, opts, modules)
-            progress.case_done(case, time.perf_counter() - t0)
-            if opts.after_case:
-                opts.after_case(results)
-        return results
+        return run_candidates(opts, results, progress)
     if device.type == "cuda":
         results["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
     for case in opts.cases:
@@ -406,6 +419,9 @@ def failures(results: dict) -> list[str]:
     bad = [f"{r['case']} {r['provider']}: {r.get('error') or r.get('check')}" for r in results.get("rows", [])
            if _failed(r)]
     for entry in results.get("candidates", []):
+        if entry.get("error"):
+            bad.append(f"{entry['case']} {entry['backend']} candidates: {entry['error']}")
+            continue
         policy = next((c for c in entry["candidates"] if c["label"] == entry.get("policy")), None)
         if policy is not None and (policy.get("error") or str(policy.get("check", "")).startswith("MISMATCH")):
             bad.append(f"{entry['case']} {entry['backend']} policy {policy['label']}: "
