@@ -50,23 +50,24 @@ def dependent_load_kernel(pos, cos, sin, src, dst, table_rows, heads, dim, rotar
     tl.store(dst + offsets, x, mask=mask)
 
 
-# Not specialized on values of 1 (MQA's one k head): both branches below must see the same types.
-@triton.jit(do_not_specialize=["seq", "q_heads", "k_heads", "q_sb", "q_ss", "q_sh", "k_sb", "k_ss", "k_sh"])
+@triton.jit
 def inplace_kernel(q, k, seq, q_heads, k_heads, q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, q_chunks,
                    ROTARY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     b = token // seq
     s = token % seq
     chunk = tl.program_id(1)
+    # tl.cast: an argument equal to 1 arrives as a constant (MQA's one k head), the other as a
+    # value; both branches must give the same types
     if chunk < q_chunks:
         base = q + b * q_sb + s * q_ss
-        heads = q_heads
-        head_stride = q_sh
+        heads = tl.cast(q_heads, tl.int32)
+        head_stride = tl.cast(q_sh, tl.int64)
         h0 = chunk * BLOCK_H
     else:
         base = k + b * k_sb + s * k_ss
-        heads = k_heads
-        head_stride = k_sh
+        heads = tl.cast(k_heads, tl.int32)
+        head_stride = tl.cast(k_sh, tl.int64)
         h0 = (chunk - q_chunks) * BLOCK_H
     h = h0 + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_R)
