@@ -29,10 +29,16 @@ phases=("$@")
 status=0
 step() { echo; echo "=== $* ($(date +%T))"; }
 bench() { python3 -m rope_ops bench "$@"; }
-use_site() {  # gpu_run.sh installs the carried wheels into /tmp/site
+# The carried wheels (pure Python: stevedore, liger-kernel), installed into .whl/site (ignored,
+# like .whl) and put on the path of every phase.
+SITE=$PWD/.whl/site
+use_site() {
+  if [ -d .whl ] && [ ! -d "$SITE" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+  fi
   case ":${PYTHONPATH:-}:" in
-    *:/tmp/site:*) ;;
-    *) [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} ;;
+    *":$SITE:"*) ;;
+    *) [ -d "$SITE" ] && export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} ;;
   esac
 }
 # Seconds left for a timed phase: the device tool stops a command at 600 s (BUDGET_S, 570 by
