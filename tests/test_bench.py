@@ -441,3 +441,16 @@ def test_gpu_case_without_its_floor(monkeypatch):
     assert "floor kernel failed" in rows[0]["error"] and rows[1]["check"] == "ok"
     assert "x_floor" not in rows[1] and rows[1]["time_us"] == pytest.approx(2)
     assert run_mod.failures({"rows": rows}) == [f"{case.name} floor (inplace): RuntimeError: floor kernel failed to compile"]
+
+
+def test_host_rows_time_each_provider(monkeypatch):
+    small = {key: tiny(WORKLOADS[key], seq=4, batch=2) for key in ("W2", "W4")}
+    monkeypatch.setattr(run_mod, "WORKLOADS", small)
+    opts = run_mod.Options(cases=[], providers=["torch", "hf-eager", "liger"], device=CPU)
+    rows = {(r["case"], r["provider"]): r for r in run_mod.host_rows(opts)}
+    assert set(rows) == {(w, p) for w in ("W2", "W4") for p in ("rope_ops:torch", "hf-eager", "liger")}
+    for (case, provider), row in rows.items():
+        if provider == "liger":
+            assert "skipped" in row
+        else:
+            assert 0 < row["host_us"] <= row["wall_us"]
