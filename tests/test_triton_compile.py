@@ -46,12 +46,10 @@ SCRIPT = textwrap.dedent(r'''
     def compile_for(args, cfg):
         """Compile the variant run() would launch, specialized as triton's JIT would."""
         launch = tb._make_launch(args, cfg, kern.libdevice is not None)
-        cos = args.cos
-        ptrs = (args.q, args.q if args.k is None else args.k, args.q_out,
-                args.q_out if args.k_out is None else args.k_out,
-                cos if args.pos is None else args.pos, cos, args.sin,
-                cos if args.freq_turns is None else args.freq_turns)
-        values = (*ptrs, 0, 1.0, *launch.tail)
+        values = launch.arguments(
+            args.q, args.q if args.k is None else args.k, args.q_out,
+            args.q_out if args.k_out is None else args.k_out,
+            *tb._angle_pointers(args.pos, args.cos, args.sin, args.freq_turns), 0, 1.0)
         constexprs = {n for n, p in zip(fn.arg_names, fn.params) if p.is_constexpr}
         sig, cx, attrs = {}, {}, {}
         for i, (n, v) in enumerate(zip(fn.arg_names, values)):

@@ -279,32 +279,50 @@ class _Launch:
     direct launch off; so does a launcher that refuses the arguments (before launching).
     """
 
-    __slots__ = ("grid", "num_warps", "tail", "compiled", "device_index")
+    __slots__ = ("grid", "num_warps", "data_ints", "tail", "compiled", "device_index")
 
-    def __init__(self, grid, num_warps, tail, device_index):
+    def __init__(self, grid, num_warps, data_ints, tail, device_index):
         self.grid = grid
         self.num_warps = num_warps
-        self.tail = tail  # n_tokens, seq_len, n_rows, strides, constexprs: signature order
+        self.data_ints = data_ints  # n_tokens, seq_len, q/k/q_out/k_out strides
+        self.tail = tail  # the angle source's ints, then the constexprs: signature order
         self.compiled = None
         self.device_index = device_index
 
-    def __call__(self, q, k, qo, ko, pos, cos, sin, turns, pos_offset, attn_factor) -> None:
+    def arguments(self, q, k, qo, ko, pos, cos, sin, turns, pos_offset, attn_factor) -> tuple:
+        """The kernel's arguments in signature order (constexprs included, as triton passes)."""
+        return (q, k, qo, ko, *self.data_ints, pos, cos, sin, turns, pos_offset, attn_factor,
+                *self.tail)
+
+    def launch_pointers(self, q, k, qo, ko, pos, cos, sin, turns, pos_offset, attn_factor) -> bool:
+        """The direct launch, the tensors given as device pointers (ints: triton's launcher
+        then skips a data_ptr() call and a CUDA pointer query per pointer). False, launching
+        nothing, where it cannot: not compiled yet, an offset outside int32, launch hooks set
+        (profilers: the JIT launch calls them), or the direct launch off."""
         ck = self.compiled
         state = _triton_state
-        if ck is not None and state["direct"] and -(1 << 31) <= pos_offset < (1 << 31):
-            runtime = state["runtime"]
-            if runtime.launch_enter_hook is None and runtime.launch_exit_hook is None:
-                try:
-                    ck.run(self.grid[0], 1, 1, state["stream"](self.device_index), ck.function,
-                           ck.packed_metadata, None, None, None,
-                           q, k, qo, ko, pos, cos, sin, turns, pos_offset, attn_factor,
-                           *self.tail)
-                    return
-                except (TypeError, ValueError, SystemError, AttributeError):
-                    state["direct"] = False
+        if ck is None or not state["direct"] or not -(1 << 31) <= pos_offset < (1 << 31):
+            return False
+        runtime = state["runtime"]
+        if runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None:
+            return False
+        try:
+            ck.run(self.grid[0], 1, 1, state["stream"](self.device_index), ck.function,
+                   ck.packed_metadata, None, None, None, q, k, qo, ko, *self.data_ints, pos, cos,
+                   sin, turns, pos_offset, attn_factor, *self.tail)
+        except (TypeError, ValueError, SystemError, AttributeError):
+            state["direct"] = False  # a launcher that takes other arguments: the JIT from now on
+            return False
+        return True
+
+    def __call__(self, q, k, qo, ko, pos, cos, sin, turns, pos_offset, attn_factor) -> None:
+        if self.compiled is not None and self.launch_pointers(
+                q.data_ptr(), k.data_ptr(), qo.data_ptr(), ko.data_ptr(), pos.data_ptr(),
+                cos.data_ptr(), sin.data_ptr(), turns.data_ptr(), pos_offset, attn_factor):
+            return
         kernel = _kernels()["kernels"].rope_kernel
-        ck = kernel[self.grid](q, k, qo, ko, pos, cos, sin, turns, pos_offset, attn_factor,
-                               *self.tail, num_warps=self.num_warps)
+        ck = kernel[self.grid](*self.arguments(q, k, qo, ko, pos, cos, sin, turns, pos_offset,
+                                               attn_factor), num_warps=self.num_warps)
         # An offset outside int32 compiles another signature (i64): keep the i32 one.
         if ck is not None and not _INTERPRET and -(1 << 31) <= pos_offset < (1 << 31):
             self.compiled = ck
@@ -325,6 +343,8 @@ def _strides4(t, shape4) -> list[int]:
 def _make_launch(args: KernelArgs, cfg: KernelConfig | None, libdevice: bool) -> _Launch | None:
     """The launch of one call class (outputs given in args), or None when there is nothing to
     do. cfg None: the policy's."""
+    if args.angles != "table":  # supports() refuses other angle kinds (not declared)
+        raise NotImplementedError(f"triton backend: angles {args.angles!r} not implemented")
     layout = args.layout
     q4, qo4 = bshd_view(args.q, layout), bshd_view(args.q_out, layout)
     batch, seq, hq, head_dim = q4.shape
@@ -345,35 +365,47 @@ def _make_launch(args: KernelArgs, cfg: KernelConfig | None, libdevice: bool) ->
     sq, sqo = _strides4(q4, q4.shape), _strides4(qo4, q4.shape)
     sk = _strides4(k4, k4.shape) if k4 is not None else [0, 0, 0, 1]
     sko = _strides4(ko4, k4.shape) if k4 is not None else [0, 0, 0, 1]
-    pos = args.pos
-    if pos is None:
-        sp = [0, 0]
-    elif pos.dim() == 1:
-        sp = [0, pos.stride(0) if pos.shape[0] > 1 else 0]
-    else:
-        sp = [pos.stride(0) if pos.shape[0] > 1 else 0, pos.stride(1) if pos.shape[1] > 1 else 0]
     rot_a, rot_b = rotary_pieces(args.rotary_dim)
     copy_pass = (not args.inplace) and args.rotary_dim < head_dim
     pass_a, pass_b, pass_c = pass_pieces(args.rotary_dim, head_dim) if copy_pass else (0, 0, 0)
+    angle_ints, angle_consts = _angle_source(args)
+    block_hq = min(cfg.block_hq, _next_pow2(max(hq, 1)))
+    block_hk = min(cfg.block_hk, _next_pow2(max(hk, 1)))
     consts = (
         hq, hk, head_dim, args.rotary_dim, bool(args.interleaved), bool(args.inverse),
         all(s[3] == 1 for s in (sq, sqo, sk, sko)),  # D_CONTIG: dims at compile-time offsets
         1 if batch == 1 else (2 if seq == 1 else 0),  # TOK_SPLIT: no division where not needed
-        0,  # ANGLES: kernels.ANGLES_POSITIONS
-        pos is not None, args.freq_turns is not None, libdevice,
+        *angle_consts, libdevice,
         rot_a, rot_b, pass_a, pass_b, pass_c,
-        cfg.head_grid, cfg.block_t, min(cfg.block_hq, _next_pow2(max(hq, 1))),
-        min(cfg.block_hk, _next_pow2(max(hk, 1))),
+        cfg.head_grid, cfg.block_t, block_hq, block_hk,
     )
     n_programs = _cdiv(n_tokens, cfg.block_t)
     if cfg.head_grid:
-        n_programs *= _cdiv(hq, consts[-2]) + _cdiv(hk, consts[-1])
+        n_programs *= _cdiv(hq, block_hq) + _cdiv(hk, block_hk)
+    return _Launch((n_programs, 1, 1), cfg.num_warps, (n_tokens, seq, *sq, *sk, *sqo, *sko),
+                   (*angle_ints, *consts), args.q.get_device())
+
+
+def _angle_source(args: KernelArgs) -> tuple[tuple, tuple]:
+    """The angle stage's launch arguments: (ints after pos_offset and attn_factor, constexprs
+    ANGLES, HAS_POS, HAS_TURNS). A new angle kind adds its branch here and in kernels._angles."""
+    pos = args.pos
+    if pos is None:
+        sp = (0, 0)
+    elif pos.dim() == 1:
+        sp = (0, pos.stride(0) if pos.shape[0] > 1 else 0)
+    else:
+        sp = (pos.stride(0) if pos.shape[0] > 1 else 0, pos.stride(1) if pos.shape[1] > 1 else 0)
     n_rows = args.cos.shape[0]
     # Table rows may be strided (cos and sin the halves of one [P, R] cache); canonical when
     # there is at most one row.
-    table = [t.stride(0) if n_rows > 1 else args.rotary_dim // 2 for t in (args.cos, args.sin)]
-    tail = (n_tokens, seq, n_rows, *sq, *sk, *sqo, *sko, *sp, *table, *consts)
-    return _Launch((n_programs, 1, 1), cfg.num_warps, tail, args.q.get_device())
+    rows = tuple(t.stride(0) if n_rows > 1 else args.rotary_dim // 2 for t in (args.cos, args.sin))
+    return (n_rows, *sp, *rows), (0, pos is not None, args.freq_turns is not None)  # 0: POSITIONS
+
+
+def _angle_pointers(pos, cos, sin, turns) -> tuple:
+    """pos_ptr, cos_ptr, sin_ptr, turns_ptr (the table where an argument is absent)."""
+    return (cos if pos is None else pos, cos, sin, cos if turns is None else turns)
 
 
 def _aligned(t) -> bool:
@@ -467,7 +499,7 @@ class TritonBackend(Backend):
         if cos.shape[0] == 0:
             cos = sin = _stand_in(cos, args.rotary_dim)
         ptrs = (q, q if k is None else k, qo, qo if ko is None else ko,
-                cos if pos is None else pos, cos, sin, cos if turns is None else turns)
+                *_angle_pointers(pos, cos, sin, turns))
         _on_device(launch, ptrs, args.pos_offset, float(args.attention_factor))
 
     # -- bound launchers (rope_ops.apply's cached plans) ------------------------------------
@@ -539,9 +571,8 @@ class _Bound:
         return launch
 
     def _ptrs(self, q, k, qo, ko, pos):
-        cos = self.cos
         return (q, q if k is None else k, qo, qo if ko is None else ko,
-                cos if pos is None else pos, cos, self.sin, cos if self.turns is None else self.turns)
+                *_angle_pointers(pos, self.cos, self.sin, self.turns))
 
     def __call__(self, q, k, pos, pos_offset):
         qo = torch.empty_like(q)
@@ -570,9 +601,9 @@ class _Bound:
         return _make_guard(self, launch, q, k, pos_tensor)
 
 
-def _make_guard(bound: _Bound, launch, q, k, pos):
+def _make_guard(bound: _Bound, launch: _Launch, q, k, pos):
     """The guard of one exact call (see _Bound.guarded): a closure over locals, the cheapest
-    checks Python has. ``launch`` is called as a _Launch is."""
+    checks Python has; it launches with the pointers its alignment checks read."""
     tensor_type = torch.Tensor
     grad_enabled = torch.is_grad_enabled
     empty_like = torch.empty_like
@@ -586,13 +617,18 @@ def _make_guard(bound: _Bound, launch, q, k, pos):
     k_meta = None if no_k else (k.shape, k.stride())
     pos_is_int = pos is None
     pos_meta = None if pos_is_int else (pos.shape, pos.stride(), pos.dtype)
-    cos, sin, attn = bound.cos, bound.sin, bound.attn
+    cos, sin, attn = bound.cos, bound.sin, bound.attn  # kept alive by the bound launcher
     turns = cos if bound.turns is None else bound.turns
+    cos_p, sin_p, turns_p = cos.data_ptr(), sin.data_ptr(), turns.data_ptr()
     low, high = -(1 << 31), 1 << 31
+    direct = launch.launch_pointers
 
     def guard(q, k, pos):
         if (type(q) is not tensor_type or (q.shape, q.stride(), q.dtype) != q_meta
-                or q.is_cuda is not on_cuda or q.get_device() != index or q.data_ptr() & 15):
+                or q.is_cuda is not on_cuda or q.get_device() != index):
+            return None
+        q_p = q.data_ptr()
+        if q_p & 15:
             return None
         if no_k:
             if k is not None:
@@ -600,8 +636,10 @@ def _make_guard(bound: _Bound, launch, q, k, pos):
             needs_grad = q.requires_grad
         else:
             if (type(k) is not tensor_type or (k.shape, k.stride()) != k_meta
-                    or k.dtype != dtype or k.is_cuda is not on_cuda or k.get_device() != index
-                    or k.data_ptr() & 15):
+                    or k.dtype != dtype or k.is_cuda is not on_cuda or k.get_device() != index):
+                return None
+            k_p = k.data_ptr()
+            if k_p & 15:
                 return None
             needs_grad = q.requires_grad or k.requires_grad
         if needs_grad and grad_enabled():
@@ -609,22 +647,27 @@ def _make_guard(bound: _Bound, launch, q, k, pos):
         if pos_is_int:
             if type(pos) is not int or not low <= pos < high:
                 return None
-            pos_ptr, offset = cos, pos
+            pos_p, offset = cos_p, pos
         else:
             if (type(pos) is not tensor_type or (pos.shape, pos.stride(), pos.dtype) != pos_meta
-                    or pos.is_cuda is not on_cuda or pos.get_device() != index
-                    or pos.data_ptr() & 15):
+                    or pos.is_cuda is not on_cuda or pos.get_device() != index):
                 return None
-            pos_ptr, offset = pos, 0
+            pos_p, offset = pos.data_ptr(), 0
+            if pos_p & 15:
+                return None
         if check_current and current_device() != index:
             return None
         # Outputs as _Bound.__call__ makes them: the launch was made for their strides.
         qo = empty_like(q)
         if no_k:
-            launch(q, q, qo, qo, pos_ptr, cos, sin, turns, offset, attn)
+            qo_p = qo.data_ptr()
+            if not direct(q_p, q_p, qo_p, qo_p, pos_p, cos_p, sin_p, turns_p, offset, attn):
+                launch(q, q, qo, qo, cos if pos_is_int else pos, cos, sin, turns, offset, attn)
             return qo, None
         ko = empty_like(k)
-        launch(q, k, qo, ko, pos_ptr, cos, sin, turns, offset, attn)
+        if not direct(q_p, k_p, qo.data_ptr(), ko.data_ptr(), pos_p, cos_p, sin_p, turns_p,
+                      offset, attn):
+            launch(q, k, qo, ko, cos if pos_is_int else pos, cos, sin, turns, offset, attn)
         return qo, ko
 
     return guard

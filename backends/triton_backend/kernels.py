@@ -302,20 +302,23 @@ def _one_chunk(in_ptr, out_ptr, row_in, row_out, h0, n_heads, si_h, si_d, so_h, 
                         PASS_A, PASS_B, PASS_C, INTERLEAVED, D_CONTIG)
 
 
-@triton.jit(do_not_specialize=["pos_offset", "n_tokens", "seq_len", "n_rows"])
+@triton.jit(do_not_specialize=["n_tokens", "seq_len", "pos_offset", "n_rows"])
 def rope_kernel(
-    q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr, turns_ptr,
-    pos_offset, attn_factor, n_tokens, seq_len, n_rows,
+    # the data: q and k, where they go, their [B, S, H, D] strides
+    q_ptr, k_ptr, qo_ptr, ko_ptr, n_tokens, seq_len,
     sq_b, sq_s, sq_h, sq_d,
     sk_b, sk_s, sk_h, sk_d,
     sqo_b, sqo_s, sqo_h, sqo_d,
     sko_b, sko_s, sko_h, sko_d,
-    sp_b, sp_s, sc_row, ss_row,
+    # the angle source (ANGLES_POSITIONS: positions, cos/sin table rows, fixed-point turns)
+    pos_ptr, cos_ptr, sin_ptr, turns_ptr, pos_offset, attn_factor, n_rows, sp_b, sp_s,
+    sc_row, ss_row,
     # what the call is
     HQ: tl.constexpr, HK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr, D_CONTIG: tl.constexpr,
-    TOK_SPLIT: tl.constexpr, ANGLES: tl.constexpr, HAS_POS: tl.constexpr,
-    HAS_TURNS: tl.constexpr, LIBDEVICE: tl.constexpr,
+    TOK_SPLIT: tl.constexpr,
+    ANGLES: tl.constexpr, HAS_POS: tl.constexpr, HAS_TURNS: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
     # its pieces: pairs [0, ROT_A) and [ROT_A, ROT_A + ROT_B); pass-through dims from ROTARY_DIM
     ROT_A: tl.constexpr, ROT_B: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
     PASS_C: tl.constexpr,
