@@ -117,7 +117,7 @@ def platform_line(results: dict) -> str:
                          ("transformers", "transformers"), ("liger-kernel", "liger_kernel")) if env.get(key))
     if env["device"] == "cuda":
         where = (f"{env['gpu']} ({env['sms']} SMs, L2 {env['l2_mb']:.0f} MB), driver {env.get('driver') or '?'}, "
-                 f"CUDA {env['cuda']}")
+                 f"CUDA {env['cuda']}, host {env['cpu']} ({env['cpu_count']} CPUs)")
     else:
         where = f"{env['cpu']}, {env['threads']} threads (torch.get_num_threads) of {env['cpu_count']} CPUs"
         loads = [x for x in (env.get("load_average"), env.get("load_average_end")) if x is not None]
