@@ -100,21 +100,19 @@ def build(*, verbose: bool = False) -> list[str]:
     failed, [] on success."""
     if _state["module"] is not None:
         return []
-    reasons = toolchain_reasons()
-    if reasons:
-        return reasons
     from .._build import build_extension
 
     sources, headers = source_files()
     cflags, ldflags = compile_flags()
-    try:
+    try:  # a cached build loads without a compiler
         module = build_extension(
             EXT_NAME, sources, headers=headers, extra_cflags=cflags, extra_ldflags=ldflags,
             key_extra=[platform.machine()], verbose=verbose,
             message=f"rope_ops: compiling the CPU extension (first use, about a minute; "
                     f"prebuild with `{PREBUILD_COMMAND}`)...")
-    except Exception as e:  # compiler errors, cache problems: the backend is unavailable
-        return [f"building the CPU extension failed: {type(e).__name__}: {_tail(str(e))}"]
+    except Exception as e:  # no toolchain, compiler errors, cache problems: unavailable
+        return toolchain_reasons() or [
+            f"building the CPU extension failed: {type(e).__name__}: {_tail(str(e))}"]
     requested = os.environ.get(ISA_ENV)
     if requested:
         try:
