@@ -8,6 +8,7 @@ needed. Repeats of a kind of call take a cached plan (``_plans``).
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -174,18 +175,26 @@ def which_backend(q, k, pos, **kwargs) -> str:
 # The full path.
 
 
-def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
-    """Validate, resolve the tables, select, and run (mode "run"), or return the backend's name
-    ("select") or a plan for repeats of this call kind ("plan")."""
-    out = kw["out"]
-    flat = kw["head_dim"] is not None
-    if flat:
-        q, k, layout_arg = _unflatten_heads(q, k, kw["head_dim"], kw["layout"])
-        if out is not None:
-            out = _unflatten_heads(*_out_pair(out), kw["head_dim"], None)[:2]
-    else:
-        layout_arg = kw["layout"]
-    layout, head_dim, leading = _check_tensors(q, k, layout_arg)
+class Angles(NamedTuple):
+    """Where a call's angles come from, resolved and validated (the non-tensor parts in
+    ``kind``, ``rotary_dim``, ``style``, ``mrope_*``)."""
+
+    kind: str  # "table", "token" or "mrope" (KernelArgs.angles)
+    pos: torch.Tensor | None
+    pos_offset: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    freq_turns: torch.Tensor | None
+    attention_factor: float
+    rotary_dim: int
+    style: str
+    mrope_section: tuple | None
+    mrope_interleaved: bool
+
+
+def resolve_angles(q, pos, kw: dict, layout: str, head_dim: int, leading: tuple) -> Angles:
+    """Validate the frequency and position arguments of a call whose q (in ``layout``) has
+    ``head_dim`` and ``leading`` (batch, seq) dims, and find its tables. Metadata only."""
     rope, cos_sin = kw["rope"], kw["cos_sin"]
     style, rotary_dim = kw["style"], kw["rotary_dim"]
     base, scaling = kw["base"], kw["scaling"]
@@ -223,8 +232,6 @@ def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
         check_rotary_dim(rotary_dim, head_dim)
         check_base(base)
         rope_type_of(scaling)
-    if not isinstance(inplace := kw["inplace"], bool):
-        raise RopeError(f"inplace: expected a bool, got {inplace!r}")
     device = q.device
     if mrope_section is not None:
         if per_token:
@@ -232,23 +239,20 @@ def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
                             "None) already combine the axes")
         mrope_section = check_section(mrope_section, rotary_dim)
         pos_offset, pos_tensor = 0, _check_mrope_pos(pos, q, layout, leading)
-        angles = "mrope"
+        kind = "mrope"
     elif per_token:
-        pos_offset, pos_tensor, angles = 0, None, "token"
+        pos_offset, pos_tensor, kind = 0, None, "token"
     else:
         pos_offset, pos_tensor = _check_pos(pos, q, layout, leading)
-        angles = "table"
-    request = _select.current_request(kw["backend"])
+        kind = "table"
     compiling = _is_compiling()
-
-    # The tables.
     if cos_sin is not None:
         cos, sin = _check_tables(cos_sin, device)
         freq_turns, attention_factor = None, 1.0
         if per_token:
             cos, sin = _token_tables(cos, sin, layout, leading)
         elif pos_tensor is None:
-            _check_positions_inside(pos_offset, pos_offset + q.shape[_SEQ_DIM[layout]], cos.shape[0])
+            _check_positions_inside(pos_offset, pos_offset + leading[-1], cos.shape[0])
         elif pos_tensor.device.type == "cpu" and pos_tensor.numel() and not compiling:
             _check_positions_inside(int(pos_tensor.min()), int(pos_tensor.max()) + 1, cos.shape[0])
     elif rope is not None:
@@ -256,6 +260,32 @@ def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
     else:
         cos, sin, freq_turns, attention_factor = _functional_tables(
             rotary_dim, base, scaling, max_position, seq_len, device, compiling)
+    return Angles(kind, pos_tensor, pos_offset, cos, sin, freq_turns, attention_factor, rotary_dim,
+                  style, mrope_section, mrope_interleaved)
+
+
+def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
+    """Validate, resolve the tables, select, and run (mode "run"), or return the backend's name
+    ("select") or a plan for repeats of this call kind ("plan")."""
+    out = kw["out"]
+    flat = kw["head_dim"] is not None
+    if flat:
+        q, k, layout_arg = _unflatten_heads(q, k, kw["head_dim"], kw["layout"])
+        if out is not None:
+            out = _unflatten_heads(*_out_pair(out), kw["head_dim"], None)[:2]
+    else:
+        layout_arg = kw["layout"]
+    layout, head_dim, leading = _check_tensors(q, k, layout_arg)
+    if not isinstance(inplace := kw["inplace"], bool):
+        raise RopeError(f"inplace: expected a bool, got {inplace!r}")
+    a = resolve_angles(q, pos, kw, layout, head_dim, leading)
+    angles, pos_tensor, pos_offset = a.kind, a.pos, a.pos_offset
+    cos, sin, freq_turns, attention_factor = a.cos, a.sin, a.freq_turns, a.attention_factor
+    rotary_dim, style = a.rotary_dim, a.style
+    mrope_section, mrope_interleaved = a.mrope_section, a.mrope_interleaved
+    request = _select.current_request(kw["backend"])
+    compiling = _is_compiling()
+    device = q.device
 
     grad_enabled = torch.is_grad_enabled()
     needs_grad = grad_enabled and (q.requires_grad or (k is not None and k.requires_grad))
