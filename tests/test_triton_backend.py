@@ -228,7 +228,7 @@ def test_head_dim_not_a_power_of_two(D, style):
              inverse=True)
 
 
-@pytest.mark.parametrize("hq,hk", [(4, 1), (8, 2), (3, 5), (2, 0), (5, 3), (7, 1)])
+@pytest.mark.parametrize("hq,hk", [(4, 1), (8, 2), (3, 5), (2, 0), (5, 3), (7, 1), (0, 2)])
 def test_gqa_mqa_k_none(hq, hk):
     run_case(hq=hq, hk=hk, dtype=torch.float16)
     run_case("walk t2 hq4 hk1 w1", hq=hq, hk=hk, S=5, dtype=torch.float16)

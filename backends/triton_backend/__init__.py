@@ -117,15 +117,15 @@ def parse_label(label: str) -> KernelConfig:
 # ---------------------------------------------------------------------------------------------
 # The launch policy: a pure function of the call's shape class and the device.
 
-# Bytes of q/k one chunk (the tile a program loads at once) moves: the measured H200 best of
-# W1 (4 tokens x 16 heads x 128 dims bf16; 8 KiB chunks were 1.4 % slower) for dense heads;
-# half that where a head moves only its rotary dims in place (W3 in place: 4 x 16 x 64 dims bf16
-# beat 8 x 16 x 64). Chunks are sized in bytes, not elements, so fp32 keeps the register
-# footprint (and the CTAs per SM) of bf16.
+# Bytes of q/k one chunk (the tile a program loads at once) moves: the H200 best of W1 in the
+# 2026-12-01 sweep (4 tokens x 16 heads x 128 dims bf16; 8 KiB chunks 1.4 % slower) for
+# dense heads; half that where a head moves only its rotary dims in place (W3 in place:
+# 4 x 16 x 64 dims bf16 beat 8 x 16 x 64). Chunks are sized in bytes, not elements, so fp32
+# keeps the register footprint (and the CTAs per SM) of bf16.
 CHUNK_BYTES = 16384
 CHUNK_BYTES_ROTARY_ONLY = 8192
 # Threads: one per 64 bytes of a chunk (two 16-byte vectors of x and of y): W1 8 warps, W2 2
-# (the H200 W2 sweep: 2 warps 3.45 us/call, 4 warps 3.76).
+# (H200, 2026-12-01 W2 sweep: 2 warps 3.45 us/call, 4 warps 3.76).
 CHUNK_BYTES_PER_THREAD = 64
 MAX_BLOCK_H = 16
 MAX_BLOCK_T = 32
@@ -262,8 +262,9 @@ def _kernels() -> dict:
             stream = triton.runtime.driver.active.get_current_stream
         except Exception:
             direct, runtime, stream = False, None, None
-        _triton_state.update(kernels=kernels, libdevice=(not _INTERPRET) and kernels.libdevice is not None,
-                             direct=direct, runtime=runtime, stream=stream)
+        libdevice = (not _INTERPRET) and kernels.libdevice is not None
+        _triton_state.update(kernels=kernels, libdevice=libdevice, direct=direct,
+                             runtime=runtime, stream=stream)
     return _triton_state
 
 
@@ -486,7 +487,7 @@ class TritonBackend(Backend):
                    None if pos is None else (_aligned(pos), pos.stride(), pos.dtype),
                    None if turns is None else _aligned(turns))
         key = (args.layout, q.shape, q.stride(), qo.stride(), aligned, cos.shape, cos.stride(),
-               sin.stride(), cos.dtype, args.rotary_dim, args.interleaved, args.inverse,
+               sin.stride(), cos.dtype, sin.dtype, args.rotary_dim, args.interleaved, args.inverse,
                args.inplace, q.dtype, q.get_device(), cfg)
         launch = self._launches.get(key, False)
         if launch is False:
@@ -504,7 +505,8 @@ class TritonBackend(Backend):
 
     # -- bound launchers (rope_ops.apply's cached plans) ------------------------------------
 
-    def bind(self, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved, inverse):
+    def bind(self, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved,
+             inverse):
         """``(q, k, pos, pos_offset) -> (q_out, k_out)`` for repeated eager out-of-place calls
         with these tables and constants, with ``guarded(q, k, pos)`` for exact repeats."""
         if torch.compiler.is_compiling():

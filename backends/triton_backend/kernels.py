@@ -89,9 +89,9 @@ def _table_rows(p, cos_ptr, sin_ptr, turns_ptr, n_rows, sc_row, ss_row, attn_fac
 
 @triton.jit
 def _angles(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s, pos_offset,
-            n_rows, sc_row, ss_row, attn_factor, ANGLES: tl.constexpr, HALF: tl.constexpr, ROT_A: tl.constexpr,
-            ROT_B: tl.constexpr, HAS_POS: tl.constexpr, HAS_TURNS: tl.constexpr,
-            LIBDEVICE: tl.constexpr, INVERSE: tl.constexpr):
+            n_rows, sc_row, ss_row, attn_factor, ANGLES: tl.constexpr, HALF: tl.constexpr,
+            ROT_A: tl.constexpr, ROT_B: tl.constexpr, HAS_POS: tl.constexpr,
+            HAS_TURNS: tl.constexpr, LIBDEVICE: tl.constexpr, INVERSE: tl.constexpr):
     """(ca, sa, cb, sb): cos and sin of rotary pieces A and B ([BLOCK_T, ROT_A] and
     [BLOCK_T, ROT_B]; B is A again when there is no piece B), sin negated for the inverse."""
     tl.static_assert(ANGLES == ANGLES_POSITIONS, "unknown ANGLES kind")
@@ -164,9 +164,10 @@ def _load_dims(ptr, row, tmask, h0, n_heads, s_h, s_d, OFF: tl.constexpr, W: tl.
 
 @triton.jit
 def _load_chunk(ptr, row, tmask, h0, n_heads, s_h, s_d, BT: tl.constexpr, BH: tl.constexpr,
-                HALF: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr,
-                HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
-                PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr):
+                HALF: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr,
+                ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr,
+                PASS_B: tl.constexpr, PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr,
+                D_CONTIG: tl.constexpr):
     """Everything the program reads of heads [h0, h0 + BH): the pairs of rotary pieces A and B,
     and the pass-through pieces (the first tensor again in place of a piece that is absent)."""
     xa, ya = _load_pairs(ptr, row, tmask, h0, n_heads, s_h, s_d, 0, ROT_A, HALF, BT, BH,
@@ -284,10 +285,11 @@ def _load_nth(ci: tl.constexpr, NQC: tl.constexpr, q_ptr, row_q, sq_h, sq_d, k_p
 @triton.jit
 def _one_chunk(in_ptr, out_ptr, row_in, row_out, h0, n_heads, si_h, si_d, so_h, so_d,
                pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_b, sp_s, pos_offset,
-               n_rows, sc_row, ss_row, attn_factor, BT: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr,
-               ROT_A: tl.constexpr, ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr,
-               HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
-               PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
+               n_rows, sc_row, ss_row, attn_factor, BT: tl.constexpr, BH: tl.constexpr,
+               HALF: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr,
+               ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr,
+               PASS_B: tl.constexpr, PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr,
+               INVERSE: tl.constexpr,
                ANGLES: tl.constexpr, HAS_POS: tl.constexpr, HAS_TURNS: tl.constexpr,
                LIBDEVICE: tl.constexpr, D_CONTIG: tl.constexpr):
     """A whole program of the head grid: its chunk's loads go out before the position's."""
