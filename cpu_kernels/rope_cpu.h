@@ -67,9 +67,11 @@ struct RopeCpuParams {
 
 // Rotate tokens [begin, end) of the flattened (batch, seq) range. One per instruction set; the
 // AVX2 and AVX-512 ones exist on x86-64 only and may run only where the CPU has those features.
+// The AVX512_BF16 one differs from the AVX-512 one only in how it rounds bfloat16 outputs.
 void rope_cpu_tokens_generic(const RopeCpuParams& p, int64_t begin, int64_t end);
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define ROPE_CPU_X86 1
 void rope_cpu_tokens_avx2(const RopeCpuParams& p, int64_t begin, int64_t end);
 void rope_cpu_tokens_avx512(const RopeCpuParams& p, int64_t begin, int64_t end);
+void rope_cpu_tokens_avx512bf16(const RopeCpuParams& p, int64_t begin, int64_t end);
 #endif

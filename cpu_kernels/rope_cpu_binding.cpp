@@ -32,8 +32,9 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Instruction sets.
 
-enum Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
-constexpr const char* kIsaNames[] = {"generic", "avx2", "avx512"};
+// In order: each needs the features of the ones before it.
+enum Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+constexpr const char* kIsaNames[] = {"generic", "avx2", "avx512", "avx512_bf16"};
 using TokensFn = void (*)(const RopeCpuParams&, int64_t, int64_t);
 
 #if ROPE_CPU_X86
@@ -54,7 +55,9 @@ int detect_isa() {
   if (!(b & (1u << 5))) return kGeneric;  // AVX2
   const bool avx512 = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) &&
                       (b & (1u << 31));  // F, DQ, BW, VL
-  return avx512 && os_saves(0xe6) ? kAvx512 : kAvx2;  // + opmask, ZMM state
+  if (!avx512 || !os_saves(0xe6)) return kAvx2;  // + opmask, ZMM state
+  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return kAvx512;
+  return (a & (1u << 5)) ? kAvx512Bf16 : kAvx512;  // AVX512_BF16
 }
 #else
 int detect_isa() { return kGeneric; }
@@ -65,6 +68,7 @@ std::atomic<int> g_isa{kBestIsa};
 
 TokensFn kernel_for(int isa) {
 #if ROPE_CPU_X86
+  if (isa == kAvx512Bf16) return rope_cpu_tokens_avx512bf16;
   if (isa == kAvx512) return rope_cpu_tokens_avx512;
   if (isa == kAvx2) return rope_cpu_tokens_avx2;
 #endif

@@ -25,7 +25,7 @@ from rope_ops.backend import KernelArgs
 from rope_ops.frequencies import reduced_angle
 from rope_ops.testing.checks import assert_bitwise_equal, assert_rope_close
 
-ISAS = ("generic", "avx2", "avx512")
+ISAS = ("generic", "avx2", "avx512", "avx512_bf16")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _HEADS_AXIS = {"bshd": 2, "sbhd": 2, "bhsd": 1, "thd": 1}
 
@@ -120,9 +120,9 @@ def test_isa_matches_reference(isa, case, dtype):
 
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_avx2_and_avx512_agree_bit_for_bit(backend, style, dtype):
-    """Both fuse the same multiply-adds and round the same way: results do not depend on which
-    of the two a CPU runs."""
+def test_x86_kernels_agree_bit_for_bit(backend, style, dtype):
+    """AVX2, AVX-512 and AVX512_BF16 fuse the same multiply-adds and round the same way: results
+    do not depend on which of them a CPU runs."""
     have = cpu_backend.available_isas()
     if "avx512" not in have:
         pytest.skip(f"needs AVX2 and AVX-512 (this CPU has {have})")
@@ -131,11 +131,12 @@ def test_avx2_and_avx512_agree_bit_for_bit(backend, style, dtype):
     pos = torch.randint(-100, 100_000, (2, 9), generator=gen)
     rope = rope_ops.RotaryEmbedding(104, max_position=1000, style=style)
     outputs = {}
-    for name in ("avx2", "avx512"):
+    for name in have[1:]:
         with cpu_backend.use_isa(name):
             outputs[name] = rope_ops.apply(q, k, pos, rope=rope, backend="cpu")
-    for a, b, what in zip(outputs["avx2"], outputs["avx512"], ("q", "k")):
-        assert_bitwise_equal(a, b, f"{what}: avx2 vs avx512")
+    for name in have[2:]:
+        for a, b, what in zip(outputs["avx2"], outputs[name], ("q", "k")):
+            assert_bitwise_equal(a, b, f"{what}: avx2 vs {name}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

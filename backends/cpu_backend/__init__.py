@@ -1,8 +1,9 @@
 """The CPU backend: C++ kernels in cpu_kernels/, one pass over q and k.
 
 The kernels run threads over tokens (at::parallel_for), rotate in float32 and round to the
-storage type once; each instruction set has its kernel (AVX-512 and AVX2 on x86-64, chosen at
-run time from CPUID; a portable one, plain loops the compiler vectorises, everywhere else), all
+storage type once; each instruction set has its kernel (on x86-64 AVX-512 with or without
+AVX512_BF16, and AVX2, chosen at run time from CPUID; a portable one, plain loops the compiler
+vectorises, everywhere else), all
 in one extension built for the baseline target, so one build serves every CPU of an
 architecture.
 
@@ -13,8 +14,8 @@ Importing this module builds nothing. The extension is compiled on first use (th
     python -m rope_ops_backends.cpu_backend build
 
 Without a C++ compiler or ninja, or when the build fails, the backend is unavailable with the
-reason and the torch backend serves CPU calls. ``ROPE_OPS_CPU_ISA`` (generic, avx2, avx512)
-forces one instruction set, for tests and benchmarks; ``use_isa`` does the same in a block.
+reason and the torch backend serves CPU calls. ``ROPE_OPS_CPU_ISA`` (generic, avx2, avx512,
+avx512_bf16) forces one instruction set, for tests and benchmarks; ``use_isa`` does the same in a block.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from rope_ops.backend import Backend, KernelArgs, RopeCall
 
 EXT_NAME = "rope_ops_cpu_ext"
 SOURCES = ("rope_cpu_binding.cpp", "rope_cpu_generic.cpp", "rope_cpu_avx2.cpp",
-           "rope_cpu_avx512.cpp")
-HEADERS = ("rope_cpu.h", "rope_cpu_kernel.h")
+           "rope_cpu_avx512.cpp", "rope_cpu_avx512bf16.cpp")
+HEADERS = ("rope_cpu.h", "rope_cpu_kernel.h", "rope_cpu_avx512_simd.h")
 ISA_ENV = "ROPE_OPS_CPU_ISA"
 PREBUILD_COMMAND = "python -m rope_ops_backends.cpu_backend build"
 # The kernels keep rows computed on the fly on the stack: rotary_dim up to this (kMaxHalf in
@@ -134,7 +135,7 @@ def _module():
 
 
 def isa() -> str:
-    """The instruction set the kernels run with: 'generic', 'avx2' or 'avx512'."""
+    """The instruction set the kernels run with: 'generic', 'avx2', 'avx512' or 'avx512_bf16'."""
     return _module().isa()
 
 
