@@ -454,3 +454,13 @@ def test_host_rows_time_each_provider(monkeypatch):
             assert "skipped" in row
         else:
             assert 0 < row["host_us"] <= row["wall_us"]
+
+
+def test_cpu_report_warns_when_other_processes_loaded_the_machine():
+    env = {"device": "cpu", "cpu": "x86", "threads": 1, "cpu_count": 2, "python": "3", "torch": "2", "rope_ops": "0",
+           "commit": "c", "date": "d", "load_average": 5.8, "load_average_end": 5.9}
+    busy = {"environment": env, "providers": [], "rows": []}
+    assert "WARNING: the load average was 5.8 on 2 CPUs" in report.render(busy)
+    assert "**WARNING" in report.markdown(busy)
+    quiet = {**busy, "environment": {**env, "load_average": 0.1}}
+    assert "WARNING" not in report.render(quiet) and "load average 0.1 -> 5.9" in report.render(quiet)

@@ -122,10 +122,7 @@ def platform_line(results: dict) -> str:
         where = f"{env['cpu']}, {env['threads']} threads (torch.get_num_threads) of {env['cpu_count']} CPUs"
         loads = [x for x in (env.get("load_average"), env.get("load_average_end")) if x is not None]
         if loads:
-            # the run's own threads count in the load at the end, not at the start
-            busy = loads[0] > 0.5 or (len(loads) > 1 and loads[1] > env["threads"] + 0.5)
-            where += (f", load average {' -> '.join(f'{x:g}' for x in loads)} (start -> end)"
-                      + ("; other processes competed for the CPUs" if busy else ""))
+            where += f", load average {' -> '.join(f'{x:g}' for x in loads)} (start -> end of the run)"
     note = f" ({env['note']})" if env.get("note") else ""
     return (f"{where}; {versions}; python {env['python']}; rope_ops {env['rope_ops']} commit {env['commit']}; "
             f"{env['date']}{note}")
@@ -165,9 +162,23 @@ def method_lines(results: dict) -> list[str]:
     ]
 
 
+def load_warning(results: dict) -> str | None:
+    """A warning when other processes kept the CPUs busy during a CPU run."""
+    env = results["environment"]
+    load = env.get("load_average")
+    if env["device"] == "cuda" or load is None or load <= 0.5:
+        return None
+    return (f"WARNING: the load average was {load:g} on {env['cpu_count']} CPUs before the run started: other "
+            "processes competed for the CPUs, so these times are not the code's alone (compare rows within the "
+            "run, watch the spread; --threads 1 suffers least)")
+
+
 def render(results: dict) -> str:
     parts = [f"rope_ops bench: {platform_line(results)}"]
     parts += method_lines(results)[:1]
+    warning = load_warning(results)
+    if warning:
+        parts.append(warning)
     if results.get("rows"):
         columns = GPU_COLUMNS if results["environment"]["device"] == "cuda" else CPU_COLUMNS
         parts += ["", text_table(columns, results["rows"])]
@@ -190,6 +201,9 @@ def markdown(results: dict) -> str:
              f"Written by `python -m rope_ops bench` ({'--candidates' if 'candidates' in results else 'providers: ' + ', '.join(results['providers'])}).",
              "", f"Platform: {platform_line(results)}.", ""]
     lines += [f"- {line}" for line in method_lines(results)]
+    warning = load_warning(results)
+    if warning:
+        lines += ["", f"**{warning}**"]
     if results.get("rows"):
         columns = GPU_COLUMNS if env["device"] == "cuda" else CPU_COLUMNS
         lines += ["", "## Results", "", markdown_table(columns, results["rows"])]
