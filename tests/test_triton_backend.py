@@ -422,6 +422,10 @@ def test_candidates_policy_first_and_labels():
             tb.parse_label(bad)
     with pytest.raises(ValueError, match="q_out"):
         tb.run_with(args._replace(q_out=None, k_out=None), labels[0])
+    # In place, the outputs are q and k whatever q_out says.
+    args, before, ref_pos, ref_kw, qkv = make_args(S=5, inplace=True, dtype=torch.bfloat16)
+    tb.run_with(args._replace(q_out=None, k_out=None), "grid t1 hq2 hk2 w1")
+    check_result(args, before, ref_pos, ref_kw, qkv, "run_with in place")
 
 
 # ---------------------------------------------------------------------------------------------

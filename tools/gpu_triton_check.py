@@ -1,13 +1,15 @@
 """Check and time the Triton backend on a CUDA GPU, in one run.
 
-    python tools/gpu_triton_check.py [--json PATH] [--no-pytest] [--study] [--jobs N]
+    python tools/gpu_triton_check.py [--json PATH] [--no-pytest] [--conformance] [--study]
+                                     [--jobs N] [--budget SECONDS]
     TRITON_INTERPRET=1 python tools/gpu_triton_check.py --smoke      # no GPU: step 3, tiny
     TRITON_INTERPRET=1 python tools/gpu_triton_check.py --host-cpu   # no GPU: Python path cost
 
 1. Compile: every kernel the later steps launch is compiled first by --jobs worker processes
    (triton's on-disk cache is shared), so the GPU does not wait on one compiling process.
-2. Unit tests (unless --no-pytest): tests/test_triton_backend.py on CUDA tensors, in --jobs
-   shards alongside step 3 (correctness only: no timing runs while they share the GPU).
+2. Tests: tests/test_triton_backend.py on CUDA tensors (unless --no-pytest) and, with
+   --conformance, the conformance suite for triton, in shards alongside steps 1 and 3
+   (correctness only: no timing runs while they share the GPU).
 3. Accuracy on large shapes: PERF.md's W1-W5 and classes of shape the launch policy has rules
    for (head_dim 64/80/96/256, fp16/fp32, MQA/GQA, partial rotary, bhsd/sbhd, packed QKV views,
    decode of 1/8/64 tokens, positions past the table), each through the policy's launch twice
@@ -461,48 +463,63 @@ def warm_worker(names: list[str], study: bool) -> None:
     torch.cuda.synchronize()
 
 
-def start_processes(jobs: int, study: bool, pytest: bool) -> list:
-    """Compile workers (the cases split among them) and unit-test shards, started at once."""
+def _spawn(label: str, cmd: list[str], env: dict) -> tuple:
+    log_file = tempfile.TemporaryFile(mode="w+")  # not a pipe: a full pipe would stall the child
+    return label, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log_file,
+                                   stderr=subprocess.STDOUT, text=True), log_file
+
+
+def start_processes(jobs: int, study: bool, unit_tests: bool, conformance: bool) -> list:
+    """Compile workers (the cases split among them) and test shards (the unit tests and the
+    conformance suite's tests, split among them), started at once."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     procs = []
     names = [c.name for c in CASES]
-    n_warm = max(1, jobs // 2) if pytest else jobs
+    testing = unit_tests or conformance
+    n_warm = max(1, jobs // 3) if testing else jobs
     for w in range(n_warm):
         mine = names[w::n_warm]
         cmd = [sys.executable, __file__, "--warm", json.dumps(mine)] + (["--study"] if study else [])
-        procs.append(("compile " + ", ".join(mine), subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-    if pytest:
-        collect = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
-             "tests/test_triton_backend.py"], cwd=ROOT, env=env, capture_output=True, text=True)
+        procs.append(_spawn("compile " + ", ".join(mine), cmd, env))
+    if testing:
+        targets = (["tests/test_triton_backend.py"] if unit_tests else []) + \
+                  (["rope_ops.testing"] if conformance else [])
+        pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                  "--rope-backend", "triton"]
+        collect = subprocess.run(pytest + ["--collect-only", "--pyargs", *targets], cwd=ROOT,
+                                 env=env, capture_output=True, text=True)
         ids = [line for line in collect.stdout.splitlines() if "::" in line]
-        n_shards = max(1, jobs - n_warm)
-        for s in range(n_shards):
-            shard = ids[s::n_shards]
-            if shard:
-                procs.append((f"pytest shard {s + 1}/{n_shards}", subprocess.Popen(
-                    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *shard],
-                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                    text=True)))
         if not ids:
-            FAILURES.append("pytest collected no tests:\n" + collect.stdout[-2000:] + collect.stderr[-2000:])
+            FAILURES.append("pytest collected no tests:\n" + collect.stdout[-2000:]
+                            + collect.stderr[-2000:])
+        n_shards = max(1, jobs - n_warm)
+        for i in range(n_shards):
+            if ids[i::n_shards]:
+                procs.append(_spawn(f"test shard {i + 1}/{n_shards}", pytest + ids[i::n_shards],
+                                    env))
+        log(f"{len(ids)} tests in {n_shards} shards, {n_warm} compile workers")
     return procs
 
 
-def wait_processes(procs, deadline_s: float) -> None:
-    for label, p in procs:
+def wait_processes(procs, deadline_s: float, required: bool = True) -> None:
+    """Wait for each until deadline_s after the start; one still running then is killed, a
+    failure if required (a compile worker is not: what it left, the JIT compiles later)."""
+    for label, p, log_file in procs:
         try:
-            out, _ = p.communicate(timeout=max(5.0, deadline_s - (time.time() - T0)))
+            p.wait(timeout=max(5.0, deadline_s - (time.time() - T0)))
         except subprocess.TimeoutExpired:
             p.kill()
-            out, _ = p.communicate()
+            p.wait()
+            if not required:
+                log(f"{label}: stopped at the deadline")
+                continue
             FAILURES.append(f"{label}: timed out")
-            continue
+        log_file.seek(0)
+        out = log_file.read()
         tail = " | ".join(out.strip().splitlines()[-2:])
         log(f"{label}: exit {p.returncode}: {tail[-200:]}")
-        if p.returncode != 0:
+        if p.returncode != 0 and required:
             FAILURES.append(f"{label} failed:\n{out[-3000:]}")
 
 
@@ -597,6 +614,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write all results here")
     ap.add_argument("--no-pytest", action="store_true", help="skip the unit tests on CUDA")
+    ap.add_argument("--conformance", action="store_true",
+                    help="also the conformance suite (--rope-backend triton), in the test shards")
+    ap.add_argument("--budget", type=float, default=540.0,
+                    help="seconds: tests past 60 %% of it are killed (failures), timing and the "
+                         "study stop before it ends")
     ap.add_argument("--study", action="store_true", help="time every candidate configuration")
     ap.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1),
                     help="compile workers + unit-test shards")
@@ -625,8 +647,9 @@ def main() -> int:
     results: dict = {"triton": triton.__version__, "torch": torch.__version__,
                      "gpu": torch.cuda.get_device_name()}
 
-    procs = start_processes(opts.jobs, opts.study, not opts.no_pytest)
-    wait_processes([p for p in procs if p[0].startswith("compile")], deadline_s=300)
+    procs = start_processes(opts.jobs, opts.study, not opts.no_pytest, opts.conformance)
+    compiling = [p for p in procs if p[0].startswith("compile")]
+    wait_processes(compiling, deadline_s=0.35 * opts.budget, required=False)
     log("kernels compiled")
     results["accuracy"] = []
     for case in CASES:
@@ -635,13 +658,16 @@ def main() -> int:
         log(f"check {case.name:28s} {row['policy']:22s} worst error / allowance: "
             f"{row.get('forward')} {row.get('backward', '')}")
     check_apply_paths()
-    wait_processes([p for p in procs if not p[0].startswith("compile")], deadline_s=420)
-    if any(p[0].startswith("pytest") for p in procs):
-        log("unit tests on CUDA done")
+    wait_processes([p for p in procs if p not in compiling], deadline_s=0.6 * opts.budget)
 
+    # Timing only now: nothing else uses the GPU.
     results["time"] = []
     for case in CASES:
-        row = time_case(case, backend, opts.study)
+        if time.time() - T0 > opts.budget - 40:
+            results["time"].append({"case": case.name, "skipped": "budget"})
+            continue
+        study = opts.study and time.time() - T0 < opts.budget - 90
+        row = time_case(case, backend, study)
         results["time"].append(row)
         extra = f"  best {row['best']} {row['best_us']} us" if "best" in row else ""
         log(f"time {case.name:28s} {row['us']:9.2f} us  copy {row['copy_us']:9.2f} us  "
@@ -653,6 +679,9 @@ def main() -> int:
     print(f"{'case':30s} {'MB':>8s} {'us':>9s} {'copy us':>9s} {'% copy':>7s}  policy"
           + ("  [best candidate: us]" if opts.study else ""))
     for r in results["time"]:
+        if "skipped" in r:
+            print(f"{r['case']:30s} skipped ({r['skipped']})")
+            continue
         note = ""
         if r["MB"] >= 64:
             target = 92 if r["case"] in ("W1", "W4 fwd+bwd", "W5") else 90

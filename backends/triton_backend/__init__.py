@@ -691,7 +691,9 @@ def run_with(args: KernelArgs, candidate: str) -> None:
     """Run the call with the configuration of a kernel_candidates label, into args.q_out /
     args.k_out (given; in place, q and k). For benchmarks only; not API."""
     cfg = parse_label(candidate)
-    if args.q_out is None and not args.inplace:
+    if args.inplace:
+        args = args._replace(q_out=args.q, k_out=args.k)
+    elif args.q_out is None or (args.k is not None and args.k_out is None):
         raise ValueError("run_with: args.q_out (and k_out) must be given")
     if not _study_backend:
         _study_backend.append(TritonBackend())
