@@ -17,8 +17,9 @@
    float64 reference computed on the GPU; rope_ops.apply (bound launcher and guard) bitwise
    equal to run().
 4. GPU time of every case through the policy: its calls captured in a CUDA graph, replay time
-   / calls, rotating input sets so L2 does not hold them; against a same-run device-to-device
-   copy of the same bytes (read + written once) -- "% copy" -- and PERF.md's targets.
+   / calls, rotating input sets of 400 MB in all so L2 does not hold them (decode-sized sets,
+   at most 64, still fit in L2); against a same-run device-to-device copy of the same bytes
+   (read + written once) -- "% copy" -- and PERF.md's targets.
 5. Host time per call (plain Python loop): rope_ops.apply eager on W2 (the guard path), the
    bound launcher, backend.run, the direct launch alone, the JIT launch, torch.empty_like x2.
 6. --study: every kernel_candidates() configuration of every case timed, the best against the
@@ -620,8 +621,8 @@ def main() -> int:
                     help="seconds: tests past 60 %% of it are killed (failures), timing and the "
                          "study stop before it ends")
     ap.add_argument("--study", action="store_true", help="time every candidate configuration")
-    ap.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1),
-                    help="compile workers + unit-test shards")
+    ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
+                    help="processes: a third compile, the rest run test shards")
     ap.add_argument("--smoke", action="store_true",
                     help="without a GPU: TRITON_INTERPRET=1, the checks on tiny versions of the cases")
     ap.add_argument("--host-cpu", action="store_true",
