@@ -136,11 +136,18 @@ inline void row_outside_table(const RopeCpuParams& p, int64_t pos, float* c, flo
   }
 }
 
-// Point at a float32 row, or convert a float16/bfloat16 one into scratch.
+// Point at a float32 row, or convert a float16/bfloat16 one into scratch. A float32 row is only
+// read when its token is rotated: prefetch it now, so that the rows of a block's tokens (random
+// positions: decode) load while the tokens before them are rotated.
 template <class V, class Tab>
 inline void take_row(const Tab* cos_row, const Tab* sin_row, int64_t half, float* c, float* s,
                      const float** cos_out, const float** sin_out) {
   if constexpr (IsFloat32<Tab>::value) {
+    constexpr int64_t kFloatsPerLine = 16;
+    for (int64_t i = 0; i < half; i += kFloatsPerLine) {
+      __builtin_prefetch(cos_row + i);
+      __builtin_prefetch(sin_row + i);
+    }
     *cos_out = cos_row;
     *sin_out = sin_row;
   } else {
