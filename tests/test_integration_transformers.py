@@ -10,8 +10,11 @@ bad calls are RopeErrors that patch nothing.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -515,3 +518,37 @@ def test_exact_refuses_frequencies_that_differ_from_the_model():
     assert model.model.rotary_emb is rotary and not is_patched(modeling_module("llama"))
     with pytest.raises(RopeError, match="no rotary module"):
         patch(torch.nn.Sequential(make_model("llama").model.layers[0]), exact=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The end-to-end example, at a CPU size.
+
+
+def _example():
+    path = Path(__file__).resolve().parents[1] / "examples" / "hf_end_to_end.py"
+    spec = importlib.util.spec_from_file_location("hf_end_to_end", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_end_to_end_example_small(tmp_path):
+    out = tmp_path / "e2e.json"
+    assert _example().main(["--device", "cpu", "--size", "small", "--layers", "1", "--seq", "24",
+                            "--prompt", "12", "--decode", "2", "--repeats", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["info"]["layers"] == 1 and data["info"]["seq"] == 24
+    assert set(data["results"]) == {"hf", "rope_ops", "rope_ops_exact"}
+    for result in data["results"].values():
+        assert result["train_step_ms"] > 0 and result["prefill_ms"] > 0 and result["decode_step_ms"] > 0
+        assert result["logits_max_abs_diff_vs_hf"] < 1e-4  # float32: the same model, rotated alike
+
+
+def test_end_to_end_example_arguments():
+    example = _example()
+    with pytest.raises(SystemExit):
+        example.parse_args(["--modes", "hf,turbo"])
+    with pytest.raises(SystemExit):
+        example.parse_args(["--layers", "0"])
+    args = example.parse_args(["--device", "cpu"])
+    assert (args.size, args.dtype, args.modes) == ("small", "float32", list(example.MODES))
