@@ -3,7 +3,9 @@
 #
 #  1. every pure-CUDA csrc/*.cu with the machine's nvcc for sm_90 (ROPE_OPS_CHECK_ARCH overrides,
 #     e.g. "90 100"), with the flags torch.utils.cpp_extension adds, printing ptxas's resource
-#     report (-Xptxas -v) and a one-line-per-kernel summary; fails on any error;
+#     report (-Xptxas -v) and a one-line-per-kernel summary; fails on any error, and on PTX in
+#     which a kernel lacks its 16-byte loads and stores, position and cos/sin loads, or calls a
+#     function;
 #  2. a syntax-only check of csrc/rope_binding.cpp against the installed torch headers when a
 #     Python with torch is found (PYTHON, else python3). A CPU-only torch lacks a few generated or
 #     CUDA-library headers that the binding's includes pull in; stubs for exactly those are put
@@ -45,7 +47,7 @@ for cu in "$here"/*.cu; do
            /bytes stack frame/ {sp=$0; sub(/^ +/, "", sp)}
            /Used [0-9]+ registers/ {match($0, /Used [0-9]+ registers/); print k "\t" substr($0, RSTART, RLENGTH) "\t" sp}' "$log" \
         | { if command -v c++filt >/dev/null 2>&1; then c++filt; else cat; fi; } \
-        | sed -E 's/\(anonymous namespace\):://; s/rope_ops_cuda:://; s/\(RopeParams, [^)]*\)//' \
+        | sed -E 's/\(anonymous namespace\):://g; s/rope_ops_cuda:://g; s/\(RopeParams[^)]*\)//; s/, TableAngles>/>/' \
         > "$tmp/summary"
       echo "-- summary sm_$a:"
       sed 's/^/   /' "$tmp/summary"
@@ -59,25 +61,29 @@ for cu in "$here"/*.cu; do
         if ! awk '
           function check(   need, i, n, miss) {
             if (kern == "") return
-            # fast kernels: template <T, NEOX, SCHED, STAGE, HINT>; the mangled name ends in the
-            # HINT: 0 ld.cs loads + plain stores, 1 plain loads + stores, 2 ld.cs loads + st.cs stores
-            if (kern ~ /rope_fast_kernel.*ELi1EEEv10RopeParams/) n = split("ld.global.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
-            else if (kern ~ /rope_fast_kernel.*ELi2EEEv10RopeParams/) n = split("ld.global.cs.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.cs.v4", need, " ")
-            else if (kern ~ /rope_fast_kernel/) n = split("ld.global.cs.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
-            else if (kern ~ /rope_flat_kernel/) n = split("ld.global.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
-            else if (kern ~ /rope_lean_kernel/) n = split("ld.global.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.v4", need, " ")
-            else if (kern ~ /rope_rows_kernel/) n = split("ld.global.v4 ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v st.global.cs.v4", need, " ")
+            # heads kernels: template <T, NEOX, SCHED, ST, HINT, Angles>; in the mangled name
+            # "ELi<SCHED>ELi<ST>ELi<HINT>E": pipe2 (1, 2, 2) streams loads and stores, rounds4
+            # (0, 4, 1) plain loads and stores, rounds1 (0, 1, 0) streams loads
+            pos_cs = "ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v"
+            if (kern ~ /rope_heads_kernel.*ELi1ELi2ELi2E/) n = split("ld.global.cs.v4 st.global.cs.v4 " pos_cs, need, " ")
+            else if (kern ~ /rope_heads_kernel.*ELi0ELi4ELi1E/) n = split("ld.global.v4 st.global.v4 " pos_cs, need, " ")
+            else if (kern ~ /rope_heads_kernel.*ELi0ELi1ELi0E/) n = split("ld.global.cs.v4 st.global.v4 " pos_cs, need, " ")
+            else if (kern ~ /rope_heads_kernel/) { print "unknown heads kernel " kern; bad = 1; n = 0 }
+            else if (kern ~ /rope_flat_(split_)?kernel/) n = split("ld.global.v4 st.global.v4 " pos_cs, need, " ")
+            else if (kern ~ /rope_lean_kernel/) n = split("ld.global.v4 st.global.v4 " pos_cs, need, " ")
+            else if (kern ~ /rope_rows_kernel/) n = split("ld.global.v4 st.global.cs.v4 " pos_cs, need, " ")
             else if (kern ~ /rope_generic_kernel/) n = split("ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.f32 st.global", need, " ")
             else n = 0
             for (i = 1; i <= n; i++) if (index(body, need[i]) == 0) { print "missing " need[i] " in " kern; bad = 1 }
             if (index(body, "call") != 0 && kern ~ /rope_/) { print "unexpected call in " kern; bad = 1 }
             # data moves as 16-byte vectors only: nvcc once split a plain uint4 store into four
             # 32-bit stores in the flat kernel (3-4 % slower on the H200), with no warning
-            if (kern ~ /rope_(fast|flat|rows|lean)_kernel/ && body ~ /st\.global(\.wb|\.cs)?\.(u|b)32/) { print "32-bit stores in " kern; bad = 1 }
+            if (kern ~ /rope_(heads|flat|flat_split|rows|lean)_kernel/ && body ~ /st\.global(\.wb|\.cs)?\.(u|b)32/) { print "32-bit stores in " kern; bad = 1 }
+            kernels++
           }
           /^[.a-z ]*\.entry / { check(); kern = $0; body = ""; next }
           { body = body "\n" $0 }
-          END { check(); if (bad) exit 1; }' "$tmp/$name.sm_$a.ptx" >"$tmp/ptxcheck" 2>&1; then
+          END { check(); if (kernels < 100) { print "only " kernels " kernels in the PTX"; bad = 1 } if (bad) exit 1; }' "$tmp/$name.sm_$a.ptx" >"$tmp/ptxcheck" 2>&1; then
           cat "$tmp/ptxcheck" >&2
           echo "check_compile: FAILED: PTX sanity check of $(basename "$cu") for sm_$a" >&2
           status=1

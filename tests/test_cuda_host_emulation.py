@@ -1,37 +1,230 @@
-"""The CUDA kernels' per-thread code, run on the CPU (no GPU needed), against the float64 reference.
-
-csrc/rope_kernels.cu keeps every per-thread function __host__ __device__; compiled with
--DROPE_HOST_EMULATION it exports rope_host_emulate(), which makes the same path choice and grid
-sizing as rope_launch() and runs each would-be thread in turn on host pointers. This test builds
-that as a shared library with nvcc, maps KernelArgs to RopeParams exactly as csrc/rope_binding.cpp
-does (layout permutation, element strides), and runs the accuracy cases of
-tools/gpu_cuda_check.py on CPU tensors, including the expected fast/generic path of each case.
+"""The CUDA backend on the CPU, no GPU needed: its extension module (csrc/rope_torch.h: KernelArgs
+to RopeParams, outputs, the kernel choice and candidates, BoundRope, its guard and its autograd)
+built for CPU tensors over the host emulation of the kernels (tests/csrc/), whose per-thread code
+is the kernels' own. Checked against the float64 reference: tools/gpu_cuda_check.py's cases with
+every kernel configuration that can take each call, and the choice on the performance workloads.
 
 What it cannot see: device-only behaviour (__ldg, real concurrency, the device's sincospif and
-conversion rounding, alignment faults), the torch binding and the build through cpp_extension.
+conversion rounding, alignment faults, programmatic dependent launch), the CUDA allocator and
+streams, the build through backends/_build.py.
 """
 
 from __future__ import annotations
 
 import ctypes
-import subprocess
-from pathlib import Path
-
-from _cuda_tools import find_nvcc, load_tool
 
 import pytest
 import torch
+from _cuda_tools import emulated_extension, emulation_c_api, kernels_run, load_tool
 
-from rope_ops.backend import LAYOUT_DIMS
+from rope_ops._reference import rope_reference
+from rope_ops.backend import KernelArgs
+from rope_ops.frequencies import compute_inv_freq, cos_sin_table, freq_turns_of
+from rope_ops.testing.checks import assert_rope_close
 
-ROOT = Path(__file__).resolve().parents[1]
-CU = ROOT / "csrc" / "rope_kernels.cu"
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-_nvcc = find_nvcc
+@pytest.fixture(scope="module")
+def ext():
+    module = emulated_extension()
+    if module is None:
+        pytest.skip("nvcc not found (no CUDA toolkit on this machine)")
+    return module
 
 
-class RopeParams(ctypes.Structure):  # mirrors csrc/rope_kernels.h
+@pytest.fixture(scope="module")
+def c_api(ext):
+    return emulation_c_api()
+
+
+@pytest.fixture(scope="module")
+def check_tool():
+    return load_tool("gpu_cuda_check")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The cases' reference checks are many small float64 ops: on a shared 2-core machine, torch's
+    own threads make them ~30x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def every_kernel() -> set[str]:
+    """Every kernel instantiation csrc/dispatch.h can launch, as the emulation names them."""
+    names = set()
+    for dtype in ("float32", "float16", "bfloat16"):
+        for style in ("neox", "gptj"):
+            t = f"{dtype},{style}"
+            names |= {f"heads<{t},{s}>" for s in ("rounds1", "pipe2", "rounds4")}
+            names |= {f"flat<{t},{u},separate>" for u in (1, 2, 4, 8)}
+            names |= {f"flat<{t},{u},joint>" for u in (2, 4, 6, 8)}
+            names |= {f"flat<{t},{u},split>" for u in (1, 2, 4)}
+            names |= {f"rows<{t}>", f"generic<{t}>"}
+        names |= {f"lean<{dtype},neox,{u}>" for u in (1, 2, 4, 8)}
+    return names
+
+
+def test_every_candidate_of_every_case_matches_the_reference(ext, c_api, check_tool):
+    """tools/gpu_cuda_check.py's accuracy and coverage cases, each with the policy's choice and
+    with every candidate configuration (run_with): within the reference's bound, bit for bit the
+    choice's outputs (rows from the table), nothing written outside. Together they run every
+    kernel instantiation the dispatcher has."""
+    c_api.rope_emulated_reset()
+    rn = check_tool.Runner(ext, "cpu")
+    check_tool.accuracy(rn)
+    assert not rn.failures, "\n".join(rn.failures[:20])
+    assert rn.count > 400
+    assert {"rows", "flat/split/v1", "lean", "heads/pipe2/u2/t128", "flat/joint+fly",
+            "generic+nopdl"} <= set(rn.labels_run), rn.labels_run
+    ran = kernels_run(c_api)
+    assert every_kernel() <= ran, sorted(every_kernel() - ran)
+    assert ran <= every_kernel(), sorted(ran - every_kernel())
+
+
+def test_surroundings_on_host(ext, check_tool):
+    """Allocated outputs, BoundRope and its guard, the C++ autograd of with_grad (gradients, an
+    unused output, create_graph, positions changed before the backward), extreme positions and
+    empty calls: gpu_cuda_check's checks of them, on the CPU."""
+    rn = check_tool.Runner(ext, "cpu")
+    for check in (check_tool.alloc_outputs, check_tool.autograd_in_cpp,
+                  check_tool.garbage_positions, check_tool.zero_tokens):
+        check(rn)
+    assert rn.count == 4
+    assert not rn.failures, "\n".join(rn.failures[:20])
+
+
+def _choice(ext, *, layout="thd", tokens, hq, hk, head_dim=128, rotary_dim=None, dtype=torch.bfloat16,
+            style="neox", inplace=False, batch=1, pos="arange"):
+    """The policy's choice for a call of this shape (an H200's properties: tests/csrc). The
+    tensors are allocated, never touched."""
+    r = rotary_dim or head_dim
+    seq = tokens // batch
+    shape = {"thd": lambda h: (tokens, h, head_dim), "bshd": lambda h: (batch, seq, h, head_dim)}[layout]
+    q = torch.empty(shape(hq), dtype=dtype)
+    k = torch.empty(shape(hk), dtype=dtype) if hk else None
+    positions = torch.arange(tokens) if layout == "thd" else torch.arange(seq).expand(batch, seq).contiguous()
+    if pos == "random":
+        positions = torch.randint(0, 32768, positions.shape)
+    table = torch.empty(131072, r // 2)
+    args = KernelArgs(q, k, q if inplace else torch.empty_like(q),
+                      k if inplace else (torch.empty_like(k) if k is not None else None), positions, 0,
+                      table, table, torch.zeros(r // 2, dtype=torch.int64), 1.0, layout, r,
+                      style == "gptj", False, inplace)
+    return ext.candidates(args)[0]
+
+
+def test_policy_on_the_performance_workloads(ext):
+    """The choices measured best on the H200 for PERF.md's W1-W5 (csrc/NOTES.md)."""
+    assert _choice(ext, layout="bshd", batch=4, tokens=16384, hq=32, hk=8) == "heads/pipe2/u4/t256"  # W1
+    assert _choice(ext, tokens=256, hq=32, hk=8, pos="random") == "flat/joint"  # W2
+    w3 = dict(layout="bshd", batch=2, tokens=8192, hq=16, hk=16, head_dim=256, rotary_dim=64, style="gptj")
+    assert _choice(ext, **w3, inplace=True) == "heads/pipe2/u4/t128"
+    assert _choice(ext, **w3) == "heads/rounds4/u8/t128"
+    assert _choice(ext, layout="bshd", batch=2, tokens=8192, hq=32, hk=32) == "lean"  # W4
+    assert _choice(ext, layout="bshd", batch=8, tokens=32768, hq=64, hk=8) == "lean"  # W5
+
+
+def test_policy_rules_on_other_shapes(ext):
+    """The rules of csrc/policy.h by class of shape, not by workload."""
+    # a few tokens: the decode blocks split so that every SM gets work
+    assert _choice(ext, tokens=8, hq=32, hk=8, pos="random") == "flat/split/v1"
+    assert _choice(ext, tokens=64, hq=32, hk=8, pos="random") == "flat/split/v2"
+    # decode-sized GPT-J and in place take the flat kernel too; what flat cannot take, heads
+    assert _choice(ext, tokens=256, hq=32, hk=8, style="gptj") == "flat/joint"
+    assert _choice(ext, tokens=256, hq=32, hk=8, inplace=True) == "flat/joint"
+    assert _choice(ext, tokens=64, hq=32, hk=8, head_dim=80, rotary_dim=32).startswith("heads/")
+    # in place with pass-through dims: rows of at least 128 rotary bytes take the rows kernel
+    neox_w3 = dict(layout="bshd", batch=2, tokens=8192, hq=16, hk=16, head_dim=256, inplace=True)
+    assert _choice(ext, **neox_w3, rotary_dim=64) == "rows"
+    assert _choice(ext, **neox_w3, rotary_dim=32).startswith("heads/")
+    assert _choice(ext, layout="bshd", batch=2, tokens=8192, hq=32, hk=32, head_dim=80, rotary_dim=32,
+                   inplace=True).startswith("heads/pipe2/")
+    # flat blocks of 8 KB or more on average: W1's heads in float32 do, in bfloat16 they do not
+    assert _choice(ext, tokens=16384, hq=32, hk=8, dtype=torch.float32) == "lean"
+    assert _choice(ext, tokens=16384, hq=8, hk=1, head_dim=256).startswith("heads/pipe2/")  # MQA
+    # many heads per token: up to six heads per thread where flat cannot take the call
+    assert _choice(ext, tokens=16384, hq=64, hk=8, head_dim=96) == "heads/pipe2/u6/t128"
+    # GPT-J out of place: rounds of four heads, plain loads
+    assert _choice(ext, tokens=16384, hq=32, hk=8, style="gptj").startswith("heads/rounds4/")
+
+
+def test_labels_that_cannot_take_the_call_are_refused(ext):
+    """run_with refuses, before writing anything, a label it does not know and a configuration
+    that cannot take the call; every candidate label names itself back."""
+    inv = compute_inv_freq(64, 10000.0)[0]
+    cos, sin = cos_sin_table(inv, 1.0, 32)
+    q = torch.randn(1, 5, 2, 64)
+    out = torch.full_like(q, 3.0)
+    args = KernelArgs(q, None, out, None, None, 0, cos, sin, None, 1.0, "bshd", 64, True, False, False)
+    for label, why in (("bogus", "unknown"), ("heads/pipe2/u17/t128", "cannot take"),
+                       ("lean", "cannot take"), ("flat/joint", "cannot take"), ("rows", "cannot take"),
+                       ("heads/u1/t128+fly", "cannot take"), ("flat/split/v3", "cannot take"),
+                       ("heads/u1/t48", "cannot take"), ("generic+bad", "unknown")):
+        with pytest.raises(RuntimeError, match=why):
+            ext.run_with(args, label)
+        assert bool((out == 3.0).all()), label
+    labels = ext.candidates(args)
+    assert labels[0] == "flat/split/v1" and "generic" not in labels
+    with pytest.raises(RuntimeError, match="outputs"):
+        ext.run_with(args._replace(q_out=None), labels[0])
+
+
+def test_rows_kernel_writes_only_the_rotary_dims(ext):
+    """The rows kernel in place on every dtype and style, GQA (5 q heads, 2 k heads), positions
+    past the table (rows from freq_turns), on views whose rows are evenly spaced (head stride
+    D + 16) and on q and k as head slices of one packed tensor (they are not): the rotary dims
+    match the reference, the pass-through dims, the gaps and the rest of the packed tensor keep
+    their bits."""
+    R, D = 32, 96
+    inv = 10000.0 ** (-torch.arange(0, R, 2, dtype=torch.float64) / R)
+    cos, sin = cos_sin_table(inv, 1.0, 64)
+    turns = freq_turns_of(inv)
+    gen = torch.Generator().manual_seed(12)
+    pos = torch.randint(0, 200, (3, 37), generator=gen)  # most beyond the 64-row table
+    for dtype in DTYPES:
+        for style in ("neox", "gptj"):
+            for packed in (False, True):
+                if packed:  # [3, 37, 5 q + 2 k + 2 v heads, D]
+                    base = [torch.randn(3, 37, 9, D, generator=gen).to(dtype)]
+                    q, k = base[0][:, :, :5], base[0][:, :, 5:7]
+                else:
+                    base = [torch.randn(3, 37, h, D + 16, generator=gen).to(dtype) for h in (5, 2)]
+                    q, k = base[0][..., :D], base[1][..., :D]
+                before = [x.clone() for x in base]
+                qb, kb = q.clone(), k.clone()
+                args = KernelArgs(q, k, q, k, pos, 0, cos, sin, turns, 1.0, "bshd", R,
+                                  style == "gptj", False, True)
+                assert "rows" in ext.candidates(args)
+                ext.run_with(args, "rows")
+                for got, x in ((q, qb), (k, kb)):
+                    ref = rope_reference(x, pos, layout="bshd", rotary_dim=R, style=style, inv_freq=inv)
+                    assert_rope_close(got, ref, x, rotary_dim=R, style=style)
+                for x, y in zip(base, before):
+                    assert torch.equal(x[..., R:], y[..., R:])
+                if packed:
+                    assert torch.equal(base[0][:, :, 7:], before[0][:, :, 7:])
+
+
+def test_fast_div_is_exact(c_api):
+    """The rows kernel's divisions (multiply-high and shift, constants from the host) equal
+    integer division for every numerator below 2^31: small and large divisors (head counts,
+    sequence lengths), numerators at the divisor's multiples and at the 2^31 edge."""
+    gen = torch.Generator().manual_seed(13)
+    top = 2**31 - 1
+    divisors = list(range(1, 300)) + [2**k + e for k in range(9, 31) for e in (-1, 0, 1)] + \
+        torch.randint(1, top, (200,), generator=gen).tolist() + [top]
+    for d in divisors:
+        edges = {0, 1, d - 1, d, d + 1, 2 * d - 1, 2 * d, top, top - 1, top - top % d, top - top % d - 1}
+        numerators = [n for n in edges if 0 <= n <= top] + torch.randint(0, top, (20,), generator=gen).tolist()
+        for n in numerators:
+            assert c_api.rope_fast_div(d, n) == n // d, (d, n)
+
+
+class RopeParams(ctypes.Structure):  # mirrors csrc/rope.h
     _fields_ = [
         ("q", ctypes.c_void_p), ("q_out", ctypes.c_void_p),
         ("q_stride", ctypes.c_int64 * 4), ("q_out_stride", ctypes.c_int64 * 4),
@@ -50,358 +243,83 @@ class RopeParams(ctypes.Structure):  # mirrors csrc/rope_kernels.h
     ]
 
 
-_DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+class RopeDevice(ctypes.Structure):
+    _fields_ = [("num_sms", ctypes.c_int), ("cc_major", ctypes.c_int), ("l2_bytes", ctypes.c_int64),
+                ("pdl", ctypes.c_int)]
 
 
-def canon(t: torch.Tensor, layout: str):
-    b, s, h, d = LAYOUT_DIMS[layout]
-    if b is None:
-        return (1, t.shape[s], t.shape[h], t.shape[d]), (0, t.stride(s), t.stride(h), t.stride(d))
-    return ((t.shape[b], t.shape[s], t.shape[h], t.shape[d]),
-            (t.stride(b), t.stride(s), t.stride(h), t.stride(d)))
-
-
-def params(*, q, k, q_out, k_out, layout, rotary_dim, interleaved, inplace,
-           cos, sin=None, pos=None, pos_offset=0, freq_turns=None, attention_factor=1.0,
-           inverse=False) -> RopeParams:
-    p = RopeParams()
-    (B, S, Hq, D), st = canon(q, layout)
-    _, sto = canon(q_out, layout)
-    p.q, p.q_out = q.data_ptr(), q_out.data_ptr()
-    p.q_stride[:], p.q_out_stride[:] = st, sto
-    p.B, p.S, p.Hq, p.D = B, S, Hq, D
-    if k is not None:
-        (_, _, Hk, _), stk = canon(k, layout)
-        _, stko = canon(k_out, layout)
-        p.k, p.k_out = k.data_ptr(), k_out.data_ptr()
-        p.k_stride[:], p.k_out_stride[:] = stk, stko
-        p.Hk = Hk
-    p.R = rotary_dim
-    p.dtype = _DTYPE[q.dtype]
-    p.interleaved, p.inverse, p.copy_passthrough = int(interleaved), int(inverse), int(not inplace)
-    if pos is None:
-        p.pos_kind, p.pos_offset = 0, pos_offset
-    else:
-        p.pos = pos.data_ptr()
-        p.pos_kind = 1 if pos.dtype == torch.int32 else 2
-        if pos.dim() == 1:
-            p.pos_stride_b, p.pos_stride_s = 0, pos.stride(0)
-        else:
-            p.pos_stride_b, p.pos_stride_s = pos.stride(0), pos.stride(1)
-    p.cos_table = cos.data_ptr()
-    p.sin_table = (sin if sin is not None else cos).data_ptr()
-    p.table_rows = cos.shape[0]
-    p.freq_turns = freq_turns.data_ptr() if freq_turns is not None else None
-    p.attention_factor = attention_factor
-    return p
-
-
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found (no CUDA toolkit on this machine)")
-    out = tmp_path_factory.mktemp("rope_emu") / "librope_emu.so"
-    proc = subprocess.run(
-        [nvcc, "-O2", "-std=c++17", "-DROPE_HOST_EMULATION", "-Xcompiler", "-fPIC", "-shared",
-         "-gencode=arch=compute_90,code=sm_90", str(CU), "-o", str(out)],
-        capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    so = ctypes.CDLL(str(out))
-    so.rope_host_emulate.argtypes = [ctypes.POINTER(RopeParams), ctypes.c_int]
-    so.rope_host_emulate.restype = ctypes.c_int
-    so.rope_pick_path.argtypes = [ctypes.POINTER(RopeParams)]
-    so.rope_pick_path.restype = ctypes.c_int
-    so.rope_set_tuning.argtypes = [ctypes.c_int, ctypes.c_int]
-    so.rope_set_tuning.restype = None
-    so.rope_set_config.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    so.rope_set_config.restype = None
-    so.rope_set_launch.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    so.rope_set_launch.restype = None
-    so.rope_set_flat_blocks.argtypes = [ctypes.c_int]
-    so.rope_set_flat_blocks.restype = None
-    so.rope_set_flat_lean.argtypes = [ctypes.c_int]
-    so.rope_set_flat_lean.restype = None
-    so.rope_num_variants.restype = ctypes.c_int
-    so.rope_last_variant.restype = ctypes.c_int
-    so.rope_variant_name.argtypes = [ctypes.c_int]
-    so.rope_variant_name.restype = ctypes.c_char_p
-    return so
-
-
-@pytest.fixture(scope="module")
-def check_tool():
-    return load_tool("gpu_cuda_check")
-
-
-class EmulatedBackend:
-    def __init__(self, so):
-        self.so = so
-
-    def run(self, a):
-        made = None
-        if a.q_out is None:  # out of place, outputs allocated by the backend (as the C++ entry)
-            made = (torch.empty_like(a.q), None if a.k is None else torch.empty_like(a.k))
-            a = a._replace(q_out=made[0], k_out=made[1])
-        p = params(q=a.q, k=a.k, q_out=a.q_out, k_out=a.k_out, layout=a.layout,
-                   rotary_dim=a.rotary_dim, interleaved=a.interleaved, inplace=a.inplace,
-                   cos=a.cos, sin=a.sin, pos=a.pos, pos_offset=a.pos_offset,
-                   freq_turns=a.freq_turns, attention_factor=a.attention_factor,
-                   inverse=a.inverse)
-        rc = self.so.rope_host_emulate(ctypes.byref(p), 132)  # an H200's SM count
-        if rc != 0:
-            raise RuntimeError(f"rope_host_emulate returned {rc}")
-        return made
-
-
-LEAN_VARIANT = 8  # rope_last_variant's code for the flat path's lean kernel
-
-
-@pytest.mark.parametrize("rows_on_the_fly,flat_blocks,lean", [(-1, -1, -1), (1, -1, -1), (-1, 0, -1), (-1, -1, 1)],
-                         ids=["defaults", "rows_on_the_fly", "separate_flat_blocks", "lean_everywhere"])
-def test_kernels_on_host_match_reference(lib, check_tool, monkeypatch, rows_on_the_fly, flat_blocks, lean):
-    """The accuracy cases of tools/gpu_cuda_check.py; the second run computes every cos/sin row
-    from freq_turns (caller tables still read their table); the third gives the flat kernel one
-    block per token and tensor even where q and k would fit one block; the fourth sends every
-    call the flat path's lean kernel can take to it, decode-sized ones included (by default it
-    takes only larger calls, which these cases are not). (The block size only shapes the grid,
-    which the emulation does not have: it runs every thread id in turn.)"""
-    g = check_tool
-    lib.rope_set_launch(-1, rows_on_the_fly, -1)
-    lib.rope_set_flat_blocks(flat_blocks)
-    lib.rope_set_flat_lean(lean)
-    monkeypatch.setattr(g, "DEV", "cpu")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(g, "large_tensor", lambda rn: None)
-
-    def kernel_path(q, k, q_out, k_out, layout, r, interleaved, inplace, cos):
-        p = params(q=q, k=k, q_out=q_out, k_out=k_out, layout=layout, rotary_dim=r,
-                   interleaved=interleaved, inplace=inplace, cos=cos)
-        return lib.rope_pick_path(ctypes.byref(p))
-
-    monkeypatch.setattr(g, "kernel_path", kernel_path)
-
-    class Tuning:
-        @staticmethod
-        def set_tuning(max_heads, min_threads):
-            lib.rope_set_tuning(max_heads, min_threads)
-
-        @staticmethod
-        def set_config(variant, max_heads, min_threads):
-            lib.rope_set_config(variant, max_heads, min_threads)
-
-        @staticmethod
-        def num_variants():
-            return lib.rope_num_variants()
-
-        @staticmethod
-        def set_flat_lean(lean):
-            lib.rope_set_flat_lean(lean)
-
-        @staticmethod
-        def last_variant():
-            return lib.rope_last_variant()
-
-    used = set()
-    backend = EmulatedBackend(lib)
-    plain_run = backend.run
-
-    def run_recording(a):
-        made = plain_run(a)
-        used.add(lib.rope_last_variant())
-        return made
-
-    backend.run = run_recording
-    rn = g.Runner(backend, Tuning())
-    rn.lean_expected = rows_on_the_fly != 1  # the lean kernel never computes rows on the fly
-    try:
-        g.accuracy(rn)
-    finally:
-        lib.rope_set_config(-1, -1, -1)
-        lib.rope_set_launch(-1, -1, -1)
-        lib.rope_set_flat_blocks(-1)
-        lib.rope_set_flat_lean(-1)
-    assert rn.count > 250
-    assert not rn.failures, "\n".join(rn.failures[:20])
-    paths = list(rn.paths.values())
-    assert paths.count(1) > 150 and paths.count(2) > 50, (paths.count(1), paths.count(2))
-    # every fast-kernel variant (and the one-head-per-thread kernel, -1) ran
-    assert used >= set(range(-1, lib.rope_num_variants())), sorted(used)
-    # the flat path's lean kernel: in the accuracy cases' own lean pass, and in every case it can
-    # take in the "lean_everywhere" run (never with every row computed on the fly)
-    assert (LEAN_VARIANT in used) == (rows_on_the_fly != 1), sorted(used)
-    assert lib.rope_variant_name(LEAN_VARIANT).startswith(b"lean flat")
-
-
-def _variant_named(lib, word):
-    n = lib.rope_num_variants()
-    found = [v for v in range(n) if word in lib.rope_variant_name(v)]
-    assert len(found) == 1, [lib.rope_variant_name(v) for v in range(n)]
-    return found[0]
-
-
-def test_variant_selection(lib):
-    """rope_set_config forces a variant for several-heads-per-thread grids; one head per thread
-    always takes the ROUNDS/1 kernel (-1); the rows kernel takes only calls that write the
-    rotary dims alone (in place; others fall back to a heads-per-thread variant); -1 restores
-    the class defaults (decode-sized NeoX calls: the flat kernel; partial-rotary NeoX in place
-    with many tokens: the rows kernel)."""
-    q = torch.randn(1, 40, 6, 64).to(torch.bfloat16)
-    cos = torch.randn(64, 32)
-    n = lib.rope_num_variants()
-    flat, rows = _variant_named(lib, b"flat"), _variant_named(lib, b"rows")
-    assert n >= 8
-
-    def run(interleaved=False, inplace=False, x=q):
-        out = x if inplace else torch.empty_like(x)  # held: params keeps only its address
-        p = params(q=x, k=None, q_out=out, k_out=None,
-                   layout="bshd", rotary_dim=32 if inplace else 64, interleaved=interleaved,
-                   inplace=inplace, cos=cos, sin=cos)
-        assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
-        return lib.rope_last_variant()
-
-    try:
-        for v in range(n):
-            lib.rope_set_config(v, 3, 1)
-            assert run() == (4 if v == rows else v)  # out of place
-            assert run(inplace=True) == v
-            assert lib.rope_variant_name(v)
-        lib.rope_set_config(-1, -1, -1)  # decode-sized NeoX call with the defaults: the flat kernel
-        assert run() == flat
-        assert run(interleaved=True) == -1  # GPT-J, small: one head per thread
-        big = torch.randn(1, 18000, 8, 64).to(torch.bfloat16)  # in place, > one wave: large class
-        assert run(inplace=True, x=big) == rows  # NeoX, rotary_dim 32 of 64
-        assert run(interleaved=True, inplace=True, x=big) == 4  # GPT-J: heads per thread
-    finally:
-        lib.rope_set_config(-1, -1, -1)
-
-
-def test_rows_kernel_writes_only_the_rotary_dims(lib):
-    """The rows kernel in place, forced on every dtype and style, GQA (5 q heads, 2 k heads),
-    positions beyond the table (computed from freq_turns); on views whose rows are evenly spaced
-    (head stride D + 16) and on q and k as head slices of one packed tensor (they are not):
-    matches the reference in the rotary dims, and leaves the pass-through dims, the gaps and
-    the rest of the packed tensor bit for bit as they were."""
-    from rope_ops._reference import rope_reference
-    from rope_ops.frequencies import cos_sin_table, freq_turns_of
-    from rope_ops.testing.checks import assert_rope_close
-
-    R, D = 32, 96
-    inv = 10000.0 ** (-torch.arange(0, R, 2, dtype=torch.float64) / R)
-    cos, sin = cos_sin_table(inv, 1.0, 64)
-    turns = freq_turns_of(inv)
-    rows = _variant_named(lib, b"rows")
-    gen = torch.Generator().manual_seed(12)
-    pos = torch.randint(0, 200, (3, 37), generator=gen)  # most beyond the 64-row table
-    try:
-        lib.rope_set_config(rows, -1, -1)
-        for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            for style in ("neox", "gptj"):
-                for packed in (False, True):
-                    if packed:  # [3, 37, 5 q + 2 k + 2 v heads, D]
-                        base = [torch.randn(3, 37, 9, D, generator=gen).to(dtype)]
-                        q, k = base[0][:, :, :5], base[0][:, :, 5:7]
-                    else:
-                        base = [torch.randn(3, 37, h, D + 16, generator=gen).to(dtype) for h in (5, 2)]
-                        q, k = base[0][..., :D], base[1][..., :D]
-                    before = [x.clone() for x in base]
-                    qb, kb = q.clone(), k.clone()
-                    p = params(q=q, k=k, q_out=q, k_out=k, layout="bshd", rotary_dim=R,
-                               interleaved=style == "gptj", inplace=True, cos=cos, sin=sin,
-                               pos=pos, freq_turns=turns)
-                    assert lib.rope_pick_path(ctypes.byref(p)) == 1
-                    assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
-                    assert lib.rope_last_variant() == rows
-                    for got, x in ((q, qb), (k, kb)):
-                        ref = rope_reference(x, pos, layout="bshd", rotary_dim=R, style=style,
-                                             inv_freq=inv)
-                        assert_rope_close(got, ref, x, rotary_dim=R, style=style)
-                    for x, y in zip(base, before):
-                        assert torch.equal(x[..., R:], y[..., R:])
-                    if packed:
-                        assert torch.equal(base[0][:, :, 7:], before[0][:, :, 7:])
-    finally:
-        lib.rope_set_config(-1, -1, -1)
-
-
-def test_fast_div_is_exact(lib):
-    """The rows kernel's divisions (multiply-high and shift, constants from the host) equal
-    integer division for every numerator below 2^31: small and large divisors (head counts,
-    sequence lengths), numerators at the divisor's multiples and at the 2^31 edge."""
-    lib.rope_fast_div.argtypes = [ctypes.c_uint32, ctypes.c_uint32]
-    lib.rope_fast_div.restype = ctypes.c_uint32
-    gen = torch.Generator().manual_seed(13)
-    top = 2**31 - 1
-    divisors = list(range(1, 300)) + [2**k + e for k in range(9, 31) for e in (-1, 0, 1)] + \
-        torch.randint(1, top, (200,), generator=gen).tolist() + [top]
-    for d in divisors:
-        edges = {0, 1, d - 1, d, d + 1, 2 * d - 1, 2 * d, top, top - 1, top - top % d, top - top % d - 1}
-        numerators = [n for n in edges if 0 <= n <= top] + torch.randint(0, top, (20,), generator=gen).tolist()
-        for n in numerators:
-            assert lib.rope_fast_div(d, n) == n // d, (d, n)
-
-
-def test_invalid_params_are_refused(lib):
+def test_inconsistent_params_are_refused_by_the_c_api(c_api):
+    """rope_launch refuses inconsistent RopeParams (odd or too large rotary_dim, a positions
+    tensor announced but absent) without touching memory; empty calls are fine."""
     q = torch.zeros(1, 2, 1, 8)
     cos = torch.zeros(4, 4)
-    p = params(q=q, k=None, q_out=q, k_out=None, layout="bshd", rotary_dim=8,
-               interleaved=False, inplace=True, cos=cos)
-    assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
-    p.R = 7  # odd rotary dim
-    assert lib.rope_host_emulate(ctypes.byref(p), 132) != 0
-    p.R = 10  # rotary dim > head dim
-    assert lib.rope_pick_path(ctypes.byref(p)) == -1
-    p.R = 8
-    p.pos_kind = 2  # positions tensor announced but null
-    assert lib.rope_host_emulate(ctypes.byref(p), 132) != 0
+    p = RopeParams(q=q.data_ptr(), q_out=q.data_ptr(), B=1, S=2, Hq=1, D=8, R=8, dtype=0,
+                   cos_table=cos.data_ptr(), sin_table=cos.data_ptr(), table_rows=4)
+    p.q_stride[:] = p.q_out_stride[:] = (16, 8, 8, 1)
+    dev = RopeDevice(132, 9, 50 << 20, 1)
+    c_api.rope_launch.restype = ctypes.c_int
+    launch = lambda: c_api.rope_launch(ctypes.byref(p), ctypes.byref(dev), None)  # noqa: E731
+    assert launch() == 0
+    for field, value in (("R", 7), ("R", 10), ("pos_kind", 2)):
+        old = getattr(p, field)
+        setattr(p, field, value)
+        assert launch() != 0, field
+        setattr(p, field, old)
+    p.S = 0
+    p.q = p.q_out = None
+    assert launch() == 0
 
 
-def test_misaligned_freq_turns_take_the_generic_path(lib):
-    """The fast path loads freq_turns in 16-byte pairs: an 8-byte aligned view of them must send
-    the call to the generic path (scalar loads), with the same result."""
-    from rope_ops._reference import rope_reference
-    from rope_ops.frequencies import cos_sin_table, freq_turns_of
-    from rope_ops.testing.checks import assert_rope_close
-
-    inv = 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+def test_misaligned_freq_turns_take_the_generic_kernel(ext):
+    """The vector kernels load freq_turns in 16-byte pairs: freq_turns 8 bytes past an aligned
+    address leave only the generic kernel, with the same result."""
+    inv = compute_inv_freq(64, 10000.0)[0]
     cos, sin = cos_sin_table(inv, 1.0, 16)
     storage = torch.zeros(33, dtype=torch.int64)
     storage[1:] = freq_turns_of(inv)
-    turns = storage[1:]  # 8 bytes past a 16-byte aligned allocation
+    turns = storage[1:]
     assert turns.data_ptr() % 16 == 8
     gen = torch.Generator().manual_seed(8)
     q = torch.randn(2, 5, 3, 64, generator=gen)
     pos = torch.tensor([[0, 3, 15, 16, 900], [2, 40, 7, 1000, 5]])  # some beyond the table
-    out = torch.empty_like(q)
-    p = params(q=q, k=None, q_out=out, k_out=None, layout="bshd", rotary_dim=64,
-               interleaved=False, inplace=False, cos=cos, sin=sin, pos=pos, freq_turns=turns)
-    assert lib.rope_pick_path(ctypes.byref(p)) == 2
-    assert lib.rope_host_emulate(ctypes.byref(p), 132) == 0
+    args = KernelArgs(q, None, torch.empty_like(q), None, pos, 0, cos, sin, turns, 1.0, "bshd", 64,
+                      False, False, False)
+    assert ext.candidates(args) == ["generic", "generic+nopdl"]
+    ext.run(args)
     ref = rope_reference(q, pos, layout="bshd", rotary_dim=64, style="neox", inv_freq=inv)
-    assert_rope_close(out, ref, q, rotary_dim=64, style="neox")
-    storage2 = freq_turns_of(inv).clone()  # aligned: the fast path
-    p.freq_turns = storage2.data_ptr()
-    assert lib.rope_pick_path(ctypes.byref(p)) == 1
+    assert_rope_close(args.q_out, ref, q, rotary_dim=64, style="neox")
+    assert ext.candidates(args._replace(freq_turns=freq_turns_of(inv)))[0] != "generic"
 
 
-def test_sweep_times_knobless_kernels_once_per_setting(check_tool):
-    """gpu_cuda_check's sweep: the flat and rows kernels' grids ignore the heads-per-thread,
-    threads-per-SM and block-size knobs, so each gets one config (the flat kernel one per
-    rows-on-the-fly / PDL setting on decode)."""
-    class FakeBackend:
-        @staticmethod
-        def num_variants():
-            return 8
+def test_tables_that_are_two_halves_of_one_cache(ext):
+    """cos and sin as the two halves of one [P, R] cos|sin cache (strided rows) give the result
+    of contiguous tables."""
+    inv = compute_inv_freq(32, 10000.0)[0]
+    cos, sin = cos_sin_table(inv, 1.0, 48)
+    cache = torch.cat([cos, sin], dim=-1)
+    q = torch.randn(2, 5, 4, 40)
+    pos = torch.randint(0, 48, (2, 5))
+    want = ext.run(KernelArgs(q, None, None, None, pos, 0, cos, sin, None, 1.0, "bshd", 32, False, False, False))
+    got = ext.run(KernelArgs(q, None, None, None, pos, 0, cache[:, :16], cache[:, 16:], None, 1.0, "bshd",
+                             32, False, False, False))
+    assert torch.equal(got[0], want[0])
 
-        @staticmethod
-        def variant_name(v):
-            return {6: "flat (a block per token's q or k)", 7: "rows (in place)"}.get(v, f"pipe{v}")
 
-    large = check_tool.sweep_configs(FakeBackend, small=False)
-    assert [c for c in large if c[0] == 6] == [(6, 8, 4096, -1, -1, -1)]
-    assert [c for c in large if c[0] == 7] == [(7, 8, 4096, -1, -1, -1)]
-    assert len([c for c in large if c[0] == 4]) == 9
-    assert len([c for c in check_tool.sweep_configs(FakeBackend, small=False, variants=[4])
-                if c[0] == 6]) == 0
-    small = check_tool.sweep_configs(FakeBackend, small=True)
-    assert sorted((c[4], c[5]) for c in small if c[0] == 6) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+def test_kernel_args_fields_are_checked(ext):
+    """The extension reads KernelArgs by position: the backend refuses a rope_ops whose fields
+    differ from those the extension reads, naming both; a call with another angle source is
+    refused."""
+    from rope_ops_backends import cuda_backend
+
+    read = list(ext.kernel_args_fields)
+    assert read == list(KernelArgs._fields[:len(read)]) and "inplace" in read and "angles" in read
+    assert cuda_backend.kernel_args_reasons(ext) == []
+
+    class Other:
+        kernel_args_fields = list(reversed(KernelArgs._fields))
+
+    (reason,) = cuda_backend.kernel_args_reasons(Other)
+    assert "do not match" in reason and "'inplace'" in reason
+    with pytest.raises(RuntimeError, match="angles"):
+        ext.run(KernelArgs(torch.zeros(1, 1, 2), None, None, None, None, 0, torch.zeros(1, 1),
+                           torch.zeros(1, 1), None, 1.0, "thd", 2, False, False, False, angles="token"))

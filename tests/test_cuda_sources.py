@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from _cuda_tools import find_nvcc, load_tool
+from _cuda_tools import find_nvcc
 
 import pytest
 import torch
@@ -57,28 +57,13 @@ def test_check_compile_script():
     assert "registers" in proc.stdout  # the ptxas report is printed
 
 
-@pytest.mark.parametrize("source,count,second", [("flat_steps.cu", 19, "flat"),
-                                                  ("strided_inplace.cu", 28, "walk")])
-def test_kernel_probe_builds_against_the_library(source, count, second):
-    """The probe sources in tools/probes include csrc/rope_kernels.cu: they must keep compiling as
-    the kernels change, and expose the probe interface tools/kernel_probe.py calls (no GPU
-    needed to load one and list its probes)."""
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found (no CUDA toolkit on this machine)")
-    lib = load_tool("kernel_probe").build(ROOT / "tools" / "probes" / source, nvcc=nvcc)
-    names = [lib.probe_name(i).decode() for i in range(lib.probe_count())]
-    assert len(names) == count and names[0].startswith("library default") and second in names[1], names
-    assert lib.probe_name(lib.probe_count()) == b""
-
-
 def test_import_has_no_side_effects(tmp_path):
     proc = _run_python("""
         import sys, os, torch
         before = set(sys.modules)
         import rope_ops_backends.cuda_backend as cb
         assert not torch.cuda.is_initialized(), "import initialized CUDA"
-        assert not hasattr(torch.ops, "rope_ops_cuda") or not torch.ops.rope_ops_cuda._dir, "op loaded"
+        assert not any(m.startswith("rope_ops_cuda_ext") for m in sys.modules), "extension loaded"
         assert "torch.utils.cpp_extension" not in set(sys.modules) - before, "imported cpp_extension"
         assert not os.path.exists(os.environ["ROPE_OPS_CACHE"]), "created the cache dir"
         b = cb.CudaBackend()
@@ -110,23 +95,61 @@ def test_availability_reason_without_cuda(tmp_path):
         assert "device" in line or "CUDA" in line
 
 
-def test_availability_reasons_for_other_builds(monkeypatch):
-    """ROCm builds and version-mismatched extensions are refused with the versions named."""
+def _backend_module():
     sys.path.insert(0, str(ROOT))
     try:
         exec(compile(_ALIAS, "<alias>", "exec"), {})
         import rope_ops_backends.cuda_backend as cb
     finally:
         sys.path.remove(str(ROOT))
+    return cb
+
+
+def test_availability_reasons_for_other_builds(monkeypatch):
+    """ROCm builds are refused with the version named; the build flags name the architectures."""
+    cb = _backend_module()
     monkeypatch.setattr(torch.version, "hip", "6.2.0", raising=False)
     reasons = cb.environment_reasons()
     assert reasons and "ROCm" in reasons[0]
+    assert cb.arch_flags(["80", "90"]) == ["-gencode=arch=compute_80,code=sm_80",
+                                           "-gencode=arch=compute_90,code=sm_90",
+                                           "-gencode=arch=compute_90,code=compute_90"]
+
+
+def test_availability_never_raises(monkeypatch):
+    """Whatever goes wrong while looking for CUDA or building becomes a reason."""
+    cb = _backend_module()
+    monkeypatch.setitem(cb._state, "reasons", None)
+
+    def broken():
+        raise OSError("driver exploded")
+
+    monkeypatch.setattr(cb, "environment_reasons", broken)
+    (reason,) = cb.CudaBackend().availability()
+    assert "driver exploded" in reason
+    assert cb.CudaBackend().availability() == [reason]  # decided once per process
+
+
+def test_a_build_waits_for_another_only_so_long(monkeypatch, tmp_path):
+    """While another process holds the build lock of this extension, build() waits at most
+    ROPE_OPS_BUILD_TIMEOUT seconds and then returns why, holding nothing."""
+    import fcntl
+    import time
+
+    cb = _backend_module()
+    monkeypatch.setenv("ROPE_OPS_CACHE", str(tmp_path))
+    monkeypatch.setenv("ROPE_OPS_BUILD_TIMEOUT", "0.5")
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
-    msg = cb._mismatch({"torch": "0.0.1", "cuda": "11.0", "dir": "/x"})
-    assert msg and "0.0.1" in msg and torch.__version__ in msg and "build --force" in msg
-    assert cb._mismatch({"torch": torch.__version__, "cuda": torch.version.cuda}) is None
-    assert cb.arch_flags(["90"]) == ["-gencode=arch=compute_90,code=sm_90",
-                                     "-gencode=arch=compute_90,code=compute_90"]
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(cb, "toolchain_reasons", lambda: [])
+    lock = tmp_path / cb.EXT_NAME / ".lock"
+    lock.parent.mkdir(parents=True)
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another build in progress
+        start = time.monotonic()
+        (reason,) = cb.build(["90"])
+        assert time.monotonic() - start < 10
+    assert "another process" in reason and "ROPE_OPS_BUILD_TIMEOUT" in reason
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="torch has CUDA")

@@ -1,0 +1,190 @@
+// Test only: the C API of csrc/rope.h with every launch run on the CPU. The kernel choice,
+// candidates and grid plans are csrc's own (dispatch.h, policy.h, candidates.h); an executor
+// runs each would-be thread of the chosen kernel in turn over host pointers, through the same
+// per-thread code as the device (the kernel headers' __host__ __device__ functions). Warps whose
+// lanes exchange vectors by shuffles run phase by phase: every lane up to the shuffle, then the
+// exchange, then every lane's rest, as a warp runs in lockstep.
+//
+// Built by tests/_cuda_tools.py with nvcc into a shared library; tests/csrc/emulated_binding.cpp
+// links it under csrc/rope_torch.h, so the extension's own torch code runs on CPU tensors.
+// What it cannot see: device-only behaviour (__ldg, real concurrency, the device's sincospif and
+// conversion rounding, alignment faults, PDL), stream semantics.
+#include <set>
+#include <string>
+#include <vector>
+
+#include "dispatch.h"
+
+namespace rope_ops_cuda {
+namespace {
+
+// The kernel instantiations run since the last rope_emulated_reset(), by name.
+std::set<std::string> g_kernels_run;
+
+template <typename T>
+const char* dtype_name() {
+  return sizeof(T) == 4 ? "float32" : std::is_same<T, __half>::value ? "float16" : "bfloat16";
+}
+
+template <typename T, bool NEOX>
+void record(const char* family, const std::string& rest) {
+  g_kernels_run.insert(std::string(family) + "<" + dtype_name<T>() + (NEOX ? ",neox" : ",gptj") + rest + ">");
+}
+
+struct Emulator {
+  template <typename T, bool NEOX, int SCHED, int ST, int HINT, class A>
+  cudaError_t heads(const RopeParams& p, const HeadsPlan& f, const bool fly) {
+    record<T, NEOX>("heads", std::string(",") + (SCHED == SCHED_PIPE ? "pipe" : "rounds") + std::to_string(ST));
+    for (long long g = 0; g < f.total; ++g)
+      heads_thread<T, NEOX, SCHED, ST, HINT, A>(p, (int)f.CR, (int)f.CT, (int)f.hl, g, f.total, fly);
+    return cudaSuccess;
+  }
+
+  // flat_block_body, warp by warp.
+  template <typename T, bool NEOX, int U, int BLOCKS, class A>
+  cudaError_t flat(const RopeParams& p, const FlatPlan& plan, const bool fly) {
+    using Thread = FlatThread<T, NEOX, BLOCKS, A>;
+    record<T, NEOX>("flat", std::string(",") + std::to_string(U) +
+                                (BLOCKS == ROPE_FLAT_SPLIT ? ",split" : BLOCKS == ROPE_FLAT_JOINT ? ",joint" : ",separate"));
+    for (long long bid = 0; bid < plan.blocks; ++bid) {
+      long long block = bid;
+      int j0 = 0;
+      if (BLOCKS == ROPE_FLAT_SPLIT) split_block(plan.split, U, bid, block, j0);
+      for (int w = 0; w < kFlatThreads; w += 32) {
+        std::vector<Thread> th;
+        th.reserve(32);
+        uint4 v[32][U];
+        for (int l = 0; l < 32; ++l) {
+          const int t = w + l;
+          th.emplace_back(p, plan.f, block, t);
+          for (int u = 0; u < U; ++u) {
+            const int j = j0 + t + u * kFlatThreads;
+            v[l][u] = th[l].has(j) ? th[l].load(j) : make_uint4(0, 0, 0, 0);
+          }
+          th[l].load_pos(p, plan.f);
+          th[l].load_cs(p, fly);
+        }
+        for (int u = 0; u < U; ++u) {
+          if (j0 + w + u * kFlatThreads >= th[0].nv) break;  // the warp leaves the loop together
+          for (int l = 0; l < 32; ++l) {
+            const int j = j0 + w + l + u * kFlatThreads;
+            const uint4 other = NEOX ? v[th[l].partner(l)][u] : v[l][u];
+            if (th[l].has(j)) th[l].finish(j, v[l][u], other);
+          }
+        }
+      }
+    }
+    return cudaSuccess;
+  }
+
+  // rope_lean_kernel, warp by warp.
+  template <typename T, int U, class A>
+  cudaError_t lean(const RopeParams& p, const LeanShape& f, const int64_t blocks) {
+    constexpr int V = VecInfo<T>::kVec;
+    record<T, true>("lean", "," + std::to_string(U));
+    const int nthreads = kLeanThreads;
+    for (long long bid = 0; bid < blocks; ++bid) {
+      const LeanBlock blk = lean_block(p, f, (unsigned)bid);
+      for (int w = 0; w < nthreads; w += 32) {
+        uint4 v[32][U];
+        int half[32];
+        bool first[32];
+        float cs[32][V], sn[32][V];
+        for (int l = 0; l < 32; ++l) {
+          const int t = w + l;
+          for (int u = 0; u < U; ++u)
+            if (w + u * nthreads < blk.nv) v[l][u] = blk.src[t + u * nthreads];
+          lean_angles<T, A>(p, f, blk.tok, t, half[l], first[l], cs[l], sn[l]);
+        }
+        for (int u = 0; u < U; ++u) {
+          if (w + u * nthreads >= blk.nv) continue;
+          uint4 out[32];
+          for (int l = 0; l < 32; ++l) {
+            float x[V], y[V], r[V];
+            out[l] = lean_rotate<T>(v[l][u], v[l ^ half[l]][u], cs[l], sn[l], first[l], x, y, r);
+          }
+          for (int l = 0; l < 32; ++l) blk.dst[w + l + u * nthreads] = out[l];
+        }
+      }
+    }
+    return cudaSuccess;
+  }
+
+  template <typename T, bool NEOX, class A>
+  cudaError_t rows(const RopeParams& p, const RowsPlan& plan, const bool fly) {
+    record<T, NEOX>("rows", "");
+    for (long long bid = 0; bid < plan.blocks; ++bid)
+      for (int t = 0; t < kRowsThreads; ++t) rows_thread<T, NEOX, A>(p, plan.f, bid, t, fly);
+    return cudaSuccess;
+  }
+
+  template <typename T, bool NEOX, class A>
+  cudaError_t generic(const RopeParams& p, const GenericPlan& plan) {
+    record<T, NEOX>("generic", "");
+    for (long long g = 0; g < plan.total; ++g) generic_item<T, NEOX, A>(p, (long long)plan.per_head, g);
+    return cudaSuccess;
+  }
+};
+
+}  // namespace
+}  // namespace rope_ops_cuda
+
+using namespace rope_ops_cuda;
+
+extern "C" int rope_choose(const RopeParams* p, const RopeDevice* dev, RopeConfig* out) {
+  if (!params_ok(*p)) return -1;
+  *out = choose(*p, *dev);
+  return 0;
+}
+
+extern "C" int rope_candidates(const RopeParams* p, const RopeDevice* dev, RopeConfig* out,
+                               int capacity) {
+  if (!params_ok(*p)) return -1;
+  int n = 0;
+  list_candidates(*p, *dev, [&](const RopeConfig& c) {
+    if (n < capacity) out[n] = c;
+    ++n;
+  });
+  return n;
+}
+
+extern "C" int rope_config_label(const RopeConfig* c, char* buf, int size) {
+  return config_label(*c, buf, size);
+}
+
+extern "C" int rope_parse_label(const char* label, RopeConfig* out) {
+  return parse_label(label, *out) ? 0 : -1;
+}
+
+extern "C" int rope_config_fits(const RopeParams* p, const RopeDevice* dev, const RopeConfig* c) {
+  return config_fits(*p, *dev, *c) ? 1 : 0;
+}
+
+extern "C" cudaError_t rope_launch_config(const RopeParams* p, const RopeDevice* dev,
+                                          const RopeConfig* c, cudaStream_t) {
+  if (!config_fits(*p, *dev, *c)) return cudaErrorInvalidValue;
+  Emulator emulator;
+  return run_config(*p, *dev, *c, emulator);
+}
+
+extern "C" cudaError_t rope_launch(const RopeParams* p, const RopeDevice* dev, cudaStream_t) {
+  if (!params_ok(*p)) return cudaErrorInvalidValue;
+  Emulator emulator;
+  return run_config(*p, *dev, choose(*p, *dev), emulator);
+}
+
+extern "C" int rope_kernel_arch(void) { return 90; }
+
+// The kernel instantiations run since the last reset, one name a line, written into buf when
+// they fit; returns the length of the whole list.
+extern "C" int rope_emulated_kernels(char* buf, int size) {
+  std::string all;
+  for (const std::string& name : g_kernels_run) all += name + "\n";
+  if ((int)all.size() < size) memcpy(buf, all.c_str(), all.size() + 1);
+  return (int)all.size();
+}
+
+extern "C" void rope_emulated_reset(void) { g_kernels_run.clear(); }
+
+// The rows kernel's division (FastDiv): n / d for n < 2^31.
+extern "C" uint32_t rope_fast_div(uint32_t d, uint32_t n) { return fast_div(make_fast_div(d), n); }
