@@ -38,7 +38,7 @@ class TorchBackend(Backend):
     device_types = frozenset({"*"})  # any device torch runs on
     dtypes = frozenset(FLOAT_DTYPES)
     angle_kinds = frozenset({"table", "token", "mrope"})
-    table_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    table_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
     supports_prologue = True
     prologue_cache_dtypes = frozenset(d for d in (getattr(torch, "float8_e4m3fn", None),) if d)
 
@@ -60,7 +60,6 @@ class TorchBackend(Backend):
             cos, sin = cos.to(compute_dtype), sin.to(compute_dtype)
         if args.inverse:
             sin = -sin
-        half = args.rotary_dim // 2
         device_type = args.q.device.type
         if args.interleaved and device_type in _COMPLEX_DEVICES:
             rotation = torch.complex(cos, sin).unsqueeze(2)  # c + i*s, broadcast over heads
@@ -68,42 +67,19 @@ class TorchBackend(Backend):
         else:
             rotation = (cos.unsqueeze(2), sin.unsqueeze(2))
             rotate = _rotate_real
+        r = args.rotary_dim
         for x, out in ((args.q, args.q_out), (args.k, args.k_out)):
             if x is None:
                 continue
             x, out = bshd_view(x, args.layout), bshd_view(out, args.layout)
             step = seq
             if device_type == "cpu":
-                per_token = max(1, batch * x.shape[2] * args.rotary_dim)
+                per_token = max(1, batch * x.shape[2] * r)
                 step = max(1, min(seq, _CPU_CHUNK_ELEMENTS // per_token))
-            buffers = _Buffers(x, step, args.rotary_dim, compute_dtype)
-            for s0 in range(0, seq, step):
-                s1 = min(seq, s0 + step)
-                part = (rotation[:, s0:s1] if isinstance(rotation, torch.Tensor)
-                        else (rotation[0][:, s0:s1], rotation[1][:, s0:s1]))
-                rotate(x[:, s0:s1, :, :2 * half], out[:, s0:s1, :, :2 * half], part, buffers,
-                       args.interleaved, args.inplace)
-            if not args.inplace and args.rotary_dim < x.shape[-1]:
-                out[..., args.rotary_dim:].copy_(x[..., args.rotary_dim:])
-
-
-class _Buffers:
-    """The float32 (float64) buffers of one tensor's slices, allocated on first use and reused."""
-
-    def __init__(self, x: torch.Tensor, step: int, rotary_dim: int, dtype: torch.dtype):
-        self.shape = (x.shape[0], step, x.shape[2], rotary_dim)
-        self.dtype, self.device = dtype, x.device
-        self._widened = self._product = None
-
-    def widened(self, n: int) -> torch.Tensor:
-        if self._widened is None:
-            self._widened = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        return self._widened[:, :n]
-
-    def product(self, n: int) -> torch.Tensor:
-        if self._product is None:
-            self._product = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        return self._product[:, :n]
+            rotate(x[..., :r], out[..., :r], rotation, step, compute_dtype, args.interleaved,
+                   args.inplace)
+            if not args.inplace and r < x.shape[-1]:
+                out[..., r:].copy_(x[..., r:])
 
 
 def _pairs(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -112,27 +88,72 @@ def _pairs(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return t.unflatten(-1, (half, 2) if interleaved else (2, half))
 
 
-def _rotate_real(x, out, rotation, buffers: _Buffers, interleaved: bool, inplace: bool) -> None:
-    """out = (a*c - b*s, b*c + a*s) for the pairs (a, b) of x's rotary dims [B, n, H, r]."""
-    cos, sin = rotation  # [1 or B, n, 1, r/2]
+def _slices(seq: int, step: int):
+    """(start, stop, full) of each slice of ``step`` tokens; full: a whole step long."""
+    for s0 in range(0, seq, step):
+        s1 = min(seq, s0 + step)
+        yield s0, s1, s1 - s0 == step
+
+
+def _rotate_real(x, out, rotation, step: int, dtype, interleaved: bool, inplace: bool) -> None:
+    """out = (a*c - b*s, b*c + a*s) for the pairs (a, b) of x's rotary dims [B, S, H, r], a slice
+    of ``step`` tokens at a time. Views of whole tensors and buffers are made once, outside the
+    loop (each view costs about as much host time as a small op)."""
+    cos, sin = rotation  # [1 or B, S, 1, r/2]
     axis = -1 if interleaved else -2  # the axis that tells a pair's two elements apart
-    n = x.shape[1]
     cos_pairs = cos.unsqueeze(axis)  # broadcast over both elements of a pair
-    direct = x.dtype == buffers.dtype and not inplace
-    if direct:
-        src, dst = _pairs(x, interleaved), _pairs(out, interleaved)  # products straight into out
-    else:
-        if x.dtype == buffers.dtype:
-            src = _pairs(x, interleaved)  # in place: read x, write a buffer, copy back
+    x_pairs, out_pairs = _pairs(x, interleaved), _pairs(out, interleaved)
+    # float32/float64 out of place: the products go straight into the output; otherwise through
+    # buffers every slice reuses (low precision: widened once into one of them)
+    direct = x.dtype == dtype and not inplace
+    buffers = None if direct else _Buffers((x.shape[0], step, *x.shape[2:]), dtype, x.device,
+                                           widen=x.dtype != dtype, interleaved=interleaved)
+    for s0, s1, full in _slices(x.shape[1], step):
+        src = x_pairs[:, s0:s1]
+        if direct:
+            dst = out_pairs[:, s0:s1]
+            src0, src1, dst0, dst1 = *_halves(src, axis), *_halves(dst, axis)
         else:
-            src = _pairs(buffers.widened(n), interleaved)
-            src.copy_(_pairs(x, interleaved))  # the one widening
-        dst = _pairs(buffers.product(n), interleaved)
-    torch.mul(src, cos_pairs, out=dst)
-    dst.select(axis, 0).addcmul_(src.select(axis, 1), sin, value=-1)
-    dst.select(axis, 1).addcmul_(src.select(axis, 0), sin)
-    if not direct:
-        _pairs(out, interleaved).copy_(dst)  # the one narrowing
+            views = buffers.full if full else buffers.first(s1 - s0)
+            if views.widened is not None:
+                views.widened.copy_(src)  # the one widening
+                src, (src0, src1) = views.widened, views.widened_halves
+            else:
+                src0, src1 = _halves(src, axis)
+            dst, (dst0, dst1) = views.product, views.product_halves
+        sin_part = sin[:, s0:s1]
+        torch.mul(src, cos_pairs[:, s0:s1], out=dst)
+        dst0.addcmul_(src1, sin_part, value=-1)
+        dst1.addcmul_(src0, sin_part)
+        if not direct:
+            out_pairs[:, s0:s1].copy_(dst)  # the one narrowing
+
+
+def _halves(t, axis: int):
+    """The first and second elements of every pair of a pair view."""
+    return t.select(axis, 0), t.select(axis, 1)
+
+
+class _Buffers:
+    """The product buffer (and, for low precision, the widened input) of one tensor's slices, as
+    pair views with their halves: for whole slices (``full``) and for a shorter last one."""
+
+    def __init__(self, shape, dtype, device, widen: bool, interleaved: bool):
+        self.axis = -1 if interleaved else -2
+        self.widened = _pairs(torch.empty(shape, dtype=dtype, device=device), interleaved) if widen else None
+        self.product = _pairs(torch.empty(shape, dtype=dtype, device=device), interleaved)
+        self.full = _Views(self.widened, self.product, self.axis)
+
+    def first(self, n: int) -> _Views:
+        widened = None if self.widened is None else self.widened[:, :n]
+        return _Views(widened, self.product[:, :n], self.axis)
+
+
+class _Views:
+    def __init__(self, widened, product, axis: int):
+        self.widened, self.product = widened, product
+        self.widened_halves = None if widened is None else _halves(widened, axis)
+        self.product_halves = _halves(product, axis)
 
 
 def _complex_view(t: torch.Tensor) -> torch.Tensor | None:
@@ -144,20 +165,23 @@ def _complex_view(t: torch.Tensor) -> torch.Tensor | None:
     return torch.view_as_complex(_pairs(t, True))
 
 
-def _rotate_complex(x, out, rotation, buffers: _Buffers, interleaved: bool, inplace: bool) -> None:
-    """gptj: each adjacent pair (a, b) as a + ib, times c + is."""
-    n = x.shape[1]
-    if x.dtype == buffers.dtype:
+def _rotate_complex(x, out, rotation, step: int, dtype, interleaved: bool, inplace: bool) -> None:
+    """gptj: each adjacent pair (a, b) as a + ib, times c + is: one multiplication of the whole
+    tensor where its pairs can be viewed as complex numbers, else widened a slice at a time."""
+    if x.dtype == dtype:
         src = _complex_view(x)
         dst = src if inplace else _complex_view(out)
         if src is not None and dst is not None:
             torch.mul(src, rotation, out=dst)
             return
-    widened = buffers.widened(n)
-    widened.copy_(x)
+    widened = torch.empty((x.shape[0], step, *x.shape[2:]), dtype=dtype, device=x.device)
     product = torch.view_as_complex(_pairs(widened, True))
-    product.mul_(rotation)
-    out.copy_(widened)
+    for s0, s1, full in _slices(x.shape[1], step):
+        n = s1 - s0
+        buf, buf_c = (widened, product) if full else (widened[:, :n], product[:, :n])
+        buf.copy_(x[:, s0:s1])
+        buf_c.mul_(rotation[:, s0:s1])
+        out[:, s0:s1].copy_(buf)
 
 
 def _cos_sin(args: KernelArgs, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
