@@ -242,8 +242,9 @@ def _sharded_as(name: str, placement, ndim: int, batch_dim, seq_dim, head_dim_di
     if isinstance(placement, Partial):
         if linear and placement.reduce_op in ("sum", "avg"):
             return None  # the rotation is linear: partial sums rotate to partial sums
-        raise RopeError(f"{name}: placement {placement} is not supported (only Partial sum/avg, and "
-                        "not for the prologue: the norm is not linear); redistribute it first")
+        why = "only Partial sum or avg" if linear else "the prologue's norm is not linear"
+        raise RopeError(f"{name}: placement {placement} is not supported ({why}); redistribute it "
+                        "first")
     if isinstance(placement, Shard):
         dim = placement.dim % ndim
         if dim == head_dim_dim:
@@ -355,15 +356,15 @@ class _Sharding:
         return [_follow(kind, qp, batch_dim, seq_dim) for kind, qp in zip(self.kinds, self.q_placements)]
 
 
-def _check_follows(name: str, have, want, mesh_dims_note: str = "") -> None:
+def _check_follows(name: str, have, want) -> None:
     """A token-indexed input may be replicated where q is sharded (each rank takes its slice)
     but may not be sharded where q is not, or otherwise than q: that would need communication."""
     _, Replicate, _ = _placement_types()
     for i, (h, w) in enumerate(zip(have, want)):
         if h != w and not isinstance(h, Replicate):
             raise RopeError(f"{name}: placement {h} on mesh dim {i}, but q's sharding needs {w} "
-                            f"there (or Replicate); matching it would need communication"
-                            f"{mesh_dims_note}. Redistribute it to {list(want)} first")
+                            "there (or Replicate); matching it would need communication. "
+                            f"Redistribute it to {list(want)} first")
 
 
 def _localize(name: str, t, mesh, target, device):
@@ -491,8 +492,22 @@ def apply_dtensor(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run")
     sharding = _Sharding(layout, q.placements, q.dim(), None if k is None else k.placements,
                          None if k is None else k.dim(), flat_heads)
     device = q.device
+    if kw["inplace"] is True and mode == "run":
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
+        for name, t in (("q", q), ("k", k)):
+            if t is not None:
+                check_inplace_autograd(name, t, needs_grad)
+        if needs_grad:
+            # Autograd sees the DTensors, not their local tensors: rotate out of place (recorded),
+            # then copy into q and k (recorded too; elementwise, no communication).
+            with torch.no_grad():
+                check_inplace_memory(q.to_local(), None if k is None else k.to_local())
+            q_rot, k_rot = apply_dtensor(q, k, pos, {**kw, "inplace": False}, inverse)
+            q.copy_(q_rot)
+            if k is not None:
+                k.copy_(k_rot)
+            return q, k
     kw = dict(kw)
-
     pos_local, kw["cos_sin"] = _local_positions(pos, kw["cos_sin"], kw["mrope_section"] is not None,
                                                 sharding, mesh, layout, leading, device)
 
@@ -513,22 +528,6 @@ def apply_dtensor(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run")
         kw["out"] = tuple(local_out)
 
     q_local, k_local = _unwrap(q), None if k is None else _unwrap(k)
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
-    if kw["inplace"] is True and mode == "run":
-        for name, t in (("q", q), ("k", k)):
-            if t is not None:
-                check_inplace_autograd(name, t, needs_grad)
-        if needs_grad:
-            # Autograd sees DTensors, not their local tensors: rotate out of place (recorded),
-            # then copy into q and k (recorded too; elementwise, no communication).
-            with torch.no_grad():
-                check_inplace_memory(q_local, k_local)
-            q_rot, k_rot = apply_dtensor(q, k, pos, {**kw, "inplace": False}, inverse)
-            q.copy_(q_rot)
-            if k is not None:
-                k.copy_(k_rot)
-            return q, k
-
     result = _api._apply(q_local, k_local, pos_local, kw, inverse, mode)
     if mode != "run":
         return result

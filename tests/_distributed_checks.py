@@ -181,16 +181,46 @@ def shape_dependent(backend: str, style: str) -> bool:
     return backend == "torch" and style == "gptj"
 
 
-def assert_same_rotation(got, want, x, *, rotary_dim, style, exact, what):
+def assert_same_rotation(got, want, x, *, rotary_dim, style, exact=True, what):
     """``got`` equals ``want`` (both rotations of ``x``) bit for bit, or within SPEC's float32
-    allowance at x's pairs when not ``exact``."""
-    if exact:
-        assert_same(got, want, what)
-        return
+    allowance at x's pairs when not ``exact``. A bitwise mismatch says whether it is within that
+    allowance (a rounding that depends on the call's shape) or beyond it (a wrong rotation)."""
     from rope_ops.testing.checks import assert_rope_close
 
-    assert_rope_close(got.cpu(), want.double().cpu(), x.cpu(), rotary_dim=rotary_dim, style=style,
-                      what=what)
+    def within_allowance():
+        assert_rope_close(got.cpu(), want.double().cpu(), x.cpu(), rotary_dim=rotary_dim,
+                          style=style, what=what)
+
+    if not exact:
+        within_allowance()
+        return
+    try:
+        assert_same(got, want, what)
+    except AssertionError as mismatch:
+        try:
+            within_allowance()
+        except AssertionError as beyond:
+            raise AssertionError(f"{mismatch}; beyond SPEC's allowance: {beyond}") from None
+        raise AssertionError(f"{mismatch}, all within SPEC's float32 allowance (a rounding that "
+                             "depends on the call's shape)") from None
+
+
+class Failures:
+    """Collects the failing cases of a check, so that one run reports all of them."""
+
+    def __init__(self):
+        self.messages = []
+
+    @contextlib.contextmanager
+    def case(self):
+        try:
+            yield
+        except AssertionError as error:
+            self.messages.append(str(error))
+
+    def raise_any(self):
+        if self.messages:
+            raise AssertionError(f"{len(self.messages)} failing cases:\n" + "\n".join(self.messages))
 
 
 @contextlib.contextmanager
@@ -291,79 +321,87 @@ def _rotation_cases(world):
 
 def check_rotation(c: Ctx):
     """Forward and backward of every sharding: bit for bit, no communication."""
+    failures = Failures()
+    for backend in c.rope_backends:
+        for n, case in enumerate(_rotation_cases(c.world)):
+            with failures.case():
+                _check_rotation_case(c, backend, n, case)
+    failures.raise_any()
+
+
+def _check_rotation_case(c, backend, n, case):
     import rope_ops
     import rope_ops.distributed as rd
     from torch.distributed.tensor import DTensor, Partial
 
-    for backend in c.rope_backends:
-        for n, case in enumerate(_rotation_cases(c.world)):
-            (name, layout, mesh_name, q_shape, k_shape, q_pl, k_pl, pos_form, pos_pl, dtype, style,
-             rotary_dim) = case
-            what = f"{name} [{backend}, {dtype}]"
-            mesh = c.meshes[mesh_name]
-            flat = layout == "flat"
-            layout_kw = {"head_dim": 8} if flat else {"layout": layout}
-            q = c.randn(*q_shape, dtype=dtype, seed=n)
-            k = c.randn(*k_shape, dtype=dtype, seed=100 + n)
-            seq_dim = {"bshd": 1, "sbhd": 0, "bhsd": 2, "thd": 0, "flat": 0}[layout]
-            batch = None if layout in ("thd", "flat") else q_shape[{"bshd": 0, "sbhd": 1, "bhsd": 0}[layout]]
-            seq = q_shape[seq_dim]
-            token_shape = (seq,) if batch is None else (batch, seq)
-            if pos_form == "int":
-                pos = 7
-            elif pos_form == "shared":
-                pos = c.positions(seq, seed=n)
-            else:
-                pos = c.positions(*token_shape, seed=n)
-            kw = dict(rotary_dim=rotary_dim, style=style, base=BASE, backend=backend, **layout_kw)
+    (name, layout, mesh_name, q_shape, k_shape, q_pl, k_pl, pos_form, pos_pl, dtype, style,
+     rotary_dim) = case
+    what = f"{name} [{backend}, {dtype}]"
+    mesh = c.meshes[mesh_name]
+    flat = layout == "flat"
+    layout_kw = {"head_dim": 8} if flat else {"layout": layout}
+    q = c.randn(*q_shape, dtype=dtype, seed=n)
+    k = c.randn(*k_shape, dtype=dtype, seed=100 + n)
+    seq_dim = {"bshd": 1, "sbhd": 0, "bhsd": 2, "thd": 0, "flat": 0}[layout]
+    batch = None if layout in ("thd", "flat") else q_shape[{"bshd": 0, "sbhd": 1, "bhsd": 0}[layout]]
+    seq = q_shape[seq_dim]
+    token_shape = (seq,) if batch is None else (batch, seq)
+    if pos_form == "int":
+        pos = 7
+    elif pos_form == "shared":
+        pos = c.positions(seq, seed=n)
+    else:
+        pos = c.positions(*token_shape, seed=n)
+    kw = dict(rotary_dim=rotary_dim, style=style, base=BASE, backend=backend, **layout_kw)
 
-            # Single process.
-            q1, k1 = q.clone().requires_grad_(), k.clone().requires_grad_()
-            ref_q, ref_k = rope_ops.apply(q1, k1, pos, **kw)
-            grad_q, grad_k = c.randn(*q_shape, dtype=dtype, seed=200 + n), c.randn(*k_shape, dtype=dtype, seed=300 + n)
-            torch.autograd.backward([ref_q, ref_k], [grad_q, grad_k])
-            if n % 3 == 0:  # the float64 reference, on a few
-                ref_layout = "thd" if flat else layout
-                unflat = (lambda x: x.unflatten(-1, (-1, 8))) if flat else (lambda x: x)
-                assert_matches_reference(unflat(ref_q.detach()), unflat(q), pos, layout=ref_layout,
-                                         rotary_dim=rotary_dim, style=style, what=f"{what}: q")
+    # Single process.
+    q1, k1 = q.clone().requires_grad_(), k.clone().requires_grad_()
+    ref_q, ref_k = rope_ops.apply(q1, k1, pos, **kw)
+    grad_q = c.randn(*q_shape, dtype=dtype, seed=200 + n)
+    grad_k = c.randn(*k_shape, dtype=dtype, seed=300 + n)
+    torch.autograd.backward([ref_q, ref_k], [grad_q, grad_k])
+    if n % 3 == 0:  # the float64 reference, on a few
+        ref_layout = "thd" if flat else layout
+        unflat = (lambda x: x.unflatten(-1, (-1, 8))) if flat else (lambda x: x)
+        assert_matches_reference(unflat(ref_q.detach()), unflat(q), pos, layout=ref_layout,
+                                 rotary_dim=rotary_dim, style=style, what=f"{what}: q")
 
-            # Sharded.
-            if isinstance(q_pl[0], Partial):
-                dq, dk = partial(q, mesh, c.rank), partial(k, mesh, c.rank)
-            else:
-                dq, dk = placed(q, mesh, q_pl), placed(k, mesh, k_pl)
-            dq, dk = dq.detach().requires_grad_(), dk.detach().requires_grad_()
-            dpos = pos if pos_pl is None or not isinstance(pos, torch.Tensor) else placed(pos, mesh, pos_pl)
-            with no_communication(f"{what}: forward"):
-                out_q, out_k = rd.apply(dq, dk, dpos, **kw)
-            assert isinstance(out_q, DTensor) and isinstance(out_k, DTensor), what
-            assert tuple(out_q.placements) == tuple(dq.placements), f"{what}: q_out placed {out_q.placements}"
-            assert tuple(out_k.placements) == tuple(dk.placements), f"{what}: k_out placed {out_k.placements}"
-            assert out_q.shape == q.shape and out_k.shape == k.shape, f"{what}: global shapes"
-            exact = not shape_dependent(backend, style)
-            flat_view = (lambda x: x.unflatten(-1, (-1, 8))) if flat else (lambda x: x)
+    # Sharded.
+    if isinstance(q_pl[0], Partial):
+        dq, dk = partial(q, mesh, c.rank), partial(k, mesh, c.rank)
+    else:
+        dq, dk = placed(q, mesh, q_pl), placed(k, mesh, k_pl)
+    dq, dk = dq.detach().requires_grad_(), dk.detach().requires_grad_()
+    dpos = pos if pos_pl is None or not isinstance(pos, torch.Tensor) else placed(pos, mesh, pos_pl)
+    with no_communication(f"{what}: forward"):
+        out_q, out_k = rd.apply(dq, dk, dpos, **kw)
+    assert isinstance(out_q, DTensor) and isinstance(out_k, DTensor), what
+    assert tuple(out_q.placements) == tuple(dq.placements), f"{what}: q_out placed {out_q.placements}"
+    assert tuple(out_k.placements) == tuple(dk.placements), f"{what}: k_out placed {out_k.placements}"
+    assert out_q.shape == q.shape and out_k.shape == k.shape, f"{what}: global shapes"
+    exact = not shape_dependent(backend, style)
+    flat_view = (lambda x: x.unflatten(-1, (-1, 8))) if flat else (lambda x: x)
 
-            def same(got, want_full, like, x_full, what):
-                x = flat_view(expected_local(x_full, like, c.rank))
-                assert_same_rotation(flat_view(got), flat_view(expected_local(want_full, like, c.rank)),
-                                     x, rotary_dim=rotary_dim, style=style, exact=exact, what=what)
+    def same(got, want_full, like, x_full, what):
+        x = flat_view(expected_local(x_full, like, c.rank))
+        assert_same_rotation(flat_view(got), flat_view(expected_local(want_full, like, c.rank)),
+                             x, rotary_dim=rotary_dim, style=style, exact=exact, what=what)
 
-            same(out_q.to_local(), ref_q.detach(), out_q, q, f"{what}: q_out")
-            same(out_k.to_local(), ref_k.detach(), out_k, k, f"{what}: k_out")
-            if isinstance(q_pl[0], Partial):
-                g_q, g_k = partial(grad_q, mesh, c.rank), partial(grad_k, mesh, c.rank)
-            else:
-                g_q, g_k = placed(grad_q, mesh, q_pl), placed(grad_k, mesh, k_pl)
-            with no_communication(f"{what}: backward"):
-                torch.autograd.backward([out_q, out_k], [g_q, g_k])
-            same(dq.grad.to_local(), q1.grad, dq, grad_q, f"{what}: grad q")
-            same(dk.grad.to_local(), k1.grad, dk, grad_k, f"{what}: grad k")
+    same(out_q.to_local(), ref_q.detach(), out_q, q, f"{what}: q_out")
+    same(out_k.to_local(), ref_k.detach(), out_k, k, f"{what}: k_out")
+    if isinstance(q_pl[0], Partial):
+        g_q, g_k = partial(grad_q, mesh, c.rank), partial(grad_k, mesh, c.rank)
+    else:
+        g_q, g_k = placed(grad_q, mesh, q_pl), placed(grad_k, mesh, k_pl)
+    with no_communication(f"{what}: backward"):
+        torch.autograd.backward([out_q, out_k], [g_q, g_k])
+    same(dq.grad.to_local(), q1.grad, dq, grad_q, f"{what}: grad q")
+    same(dk.grad.to_local(), k1.grad, dk, grad_k, f"{what}: grad k")
 
-            # RotaryEmbeddingGrad directly.
-            with no_communication(f"{what}: apply_grad"):
-                back_q, _ = rd.apply_grad(g_q, None, dpos, **kw)
-            same(back_q.to_local(), q1.grad, dq, grad_q, f"{what}: apply_grad")
+    # RotaryEmbeddingGrad directly.
+    with no_communication(f"{what}: apply_grad"):
+        back_q, _ = rd.apply_grad(g_q, None, dpos, **kw)
+    same(back_q.to_local(), q1.grad, dq, grad_q, f"{what}: apply_grad")
 
 
 def check_angle_sources(c: Ctx):
@@ -486,7 +524,6 @@ def check_in_place(c: Ctx):
 
 def check_refusals(c: Ctx):
     """What cannot run locally is a RopeError naming the argument, before anything is written."""
-    import rope_ops
     import rope_ops.distributed as rd
     from rope_ops import RopeError
     from torch.distributed.tensor import Replicate, Shard
@@ -542,7 +579,6 @@ def check_refusals(c: Ctx):
                                             placed(pos, mesh, [Shard(1)]), 0, *tables, "bshd", d, False,
                                             False, "table", [], False, False, "torch"),
             "pos:", "communication")
-    del rope_ops
 
 
 def _replicated_tables(c, mesh, rotary_dim):
@@ -562,6 +598,7 @@ def check_ops(c: Ctx):
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     b, s, h, hk, d = 2, 2 * c.world + 1, 2 * c.world, c.world, 8
+    failures = Failures()
     for backend in c.rope_backends:
         for mesh_name, q_pl, pos_pl in (("1d", [Shard(1)], [Replicate()]), ("1d", [Shard(1)], [Shard(1)]),
                                         ("1d", [Shard(2)], [Replicate()]),
@@ -583,13 +620,21 @@ def check_ops(c: Ctx):
                     out_q, out_k = torch.ops.rope_ops.rope(dq, dk, dpos, *args, inverse, "table", [],
                                                            False, False, backend)
                 assert isinstance(out_q, DTensor) and tuple(out_q.placements) == tuple(q_pl), what
-                assert_same(out_q.to_local(), expected_local(ref_q, out_q, c.rank), f"{what}: q")
-                assert_same(out_k.to_local(), expected_local(ref_k, out_k, c.rank), f"{what}: k")
+                x_q, x_k = dq.to_local().clone(), dk.to_local().clone()
+
+                def same(got, want, x, what):
+                    assert_same_rotation(got, want, x, rotary_dim=d, style="neox", what=what)
+
+                with failures.case():
+                    same(out_q.to_local(), expected_local(ref_q, out_q, c.rank), x_q, f"{what}: q")
+                    same(out_k.to_local(), expected_local(ref_k, out_k, c.rank), x_k, f"{what}: k")
                 with no_communication(f"{what}, in place"):
                     torch.ops.rope_ops.rope_(dq, dk, dpos, *args, inverse, "table", [], False, False,
                                              backend)
-                assert_same(dq.to_local(), expected_local(ref_q, dq, c.rank), f"{what}: q in place")
-                assert_same(dk.to_local(), expected_local(ref_k, dk, c.rank), f"{what}: k in place")
+                with failures.case():
+                    same(dq.to_local(), expected_local(ref_q, dq, c.rank), x_q, f"{what}: q in place")
+                    same(dk.to_local(), expected_local(ref_k, dk, c.rank), x_k, f"{what}: k in place")
+    failures.raise_any()
 
 
 def check_compile(c: Ctx):
@@ -656,6 +701,7 @@ def check_context_parallel(c: Ctx):
 
     n, r = c.world, c.rank
     h, hk, d = 4, 2, 8
+    failures = Failures()
     for backend in c.rope_backends:
         kw = dict(base=BASE, backend=backend)
         cases = []
@@ -674,7 +720,8 @@ def check_context_parallel(c: Ctx):
             what = f"CP {name} [{backend}]"
             dtype = torch.bfloat16 if m % 2 else torch.float32
             q, k = c.randn(*q_shape, dtype=dtype, seed=20 + m), c.randn(*k_shape, dtype=dtype, seed=40 + m)
-            grad_q, grad_k = c.randn(*q_shape, dtype=dtype, seed=60 + m), c.randn(*k_shape, dtype=dtype, seed=80 + m)
+            grad_q = c.randn(*q_shape, dtype=dtype, seed=60 + m)
+            grad_k = c.randn(*k_shape, dtype=dtype, seed=80 + m)
             if cu is None:
                 full_pos = start + torch.arange(seq_len, device=c.device)
             elif isinstance(start, int):
@@ -694,12 +741,19 @@ def check_context_parallel(c: Ctx):
             lq = rd.cp_shard(q, dim, **cp).clone().requires_grad_()
             lk = rd.cp_shard(k, dim, **cp).clone().requires_grad_()
             out_q, out_k = rope_ops.apply(lq, lk, local_pos, layout=layout, **kw)
-            assert_same(out_q.detach(), rd.cp_shard(ref_q.detach(), dim, **cp), f"{what}: q_out")
-            assert_same(out_k.detach(), rd.cp_shard(ref_k.detach(), dim, **cp), f"{what}: k_out")
             torch.autograd.backward([out_q, out_k], [rd.cp_shard(grad_q, dim, **cp),
                                                      rd.cp_shard(grad_k, dim, **cp)])
-            assert_same(lq.grad, rd.cp_shard(q1.grad, dim, **cp), f"{what}: grad q")
-            assert_same(lk.grad, rd.cp_shard(k1.grad, dim, **cp), f"{what}: grad k")
+
+            def same(got, want, x, what):
+                assert_same_rotation(got, rd.cp_shard(want, dim, **cp), rd.cp_shard(x, dim, **cp),
+                                     rotary_dim=d, style="neox", what=what)
+
+            with failures.case():
+                same(out_q.detach(), ref_q.detach(), q, f"{what}: q_out")
+                same(out_k.detach(), ref_k.detach(), k, f"{what}: k_out")
+                same(lq.grad, q1.grad, grad_q, f"{what}: grad q")
+                same(lk.grad, k1.grad, grad_k, f"{what}: grad k")
+    failures.raise_any()
 
 
 def check_context_parallel_dtensor(c: Ctx):
@@ -772,7 +826,7 @@ def check_prologue(c: Ctx):
 
         head_split = placed(c.randn(2, 2 * c.world, width, seed=35), mesh, [Shard(2)])
         try:
-            rd.qkv_prologue(head_split, 0, **dict(num_q_heads=hq, num_kv_heads=hk, head_dim=d, backend=backend))
+            rd.qkv_prologue(head_split, 0, num_q_heads=hq, num_kv_heads=hk, head_dim=d, backend=backend)
         except RopeError as e:
             assert "qkv" in str(e) and "last dim" in str(e), e
         else:
@@ -781,7 +835,6 @@ def check_prologue(c: Ctx):
 
 def check_prologue_ops(c: Ctx):
     """The prologue's ops (forward, in place, backward) on DTensors through their sharding rules."""
-    import rope_ops
     from rope_ops import registry
     from rope_ops.prologue import _prepare
     from torch.distributed.tensor import Partial, Replicate, Shard
@@ -823,8 +876,8 @@ def check_prologue_ops(c: Ctx):
     ref_back = torch.ops.rope_ops.qkv_prologue_backward(back_args[0], *grads, *back_args[1:], "torch")
     d_back = op_args(dx, dpos, *dws, dist=True)
     with no_communication("prologue backward op"):
-        got = torch.ops.rope_ops.qkv_prologue_backward(d_back[0], *(placed(g, mesh, [Shard(1)]) for g in grads),
-                                                       *d_back[1:], "torch")
+        got = torch.ops.rope_ops.qkv_prologue_backward(
+            d_back[0], *(placed(g, mesh, [Shard(1)]) for g in grads), *d_back[1:], "torch")
     assert_same(got[0].to_local(), expected_local(ref_back[0], got[0], c.rank), "prologue backward op: qkv")
     for i in (1, 2):
         assert isinstance(got[i].placements[0], Partial), f"weight grad {i} placed {got[i].placements}"
@@ -836,7 +889,6 @@ def check_prologue_ops(c: Ctx):
     with no_communication("prologue in-place op"):
         torch.ops.rope_ops.qkv_prologue_(*op_args(d_inplace, dpos, *dws, dist=True), *cache_none)
     assert_same(d_inplace.to_local(), expected_local(inplace, d_inplace, c.rank), "prologue in-place op")
-    del rope_ops
 
 
 def proposed_hook(original):
