@@ -320,8 +320,11 @@ def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
     if mode == "plan":
         if needs_check(selected, call):
             return None
-        return _make_plan(selected, call, cos, sin, freq_turns, attention_factor, layout,
+        plan = _make_plan(selected, call, cos, sin, freq_turns, attention_factor, layout,
                           rotary_dim, interleaved, needs_grad)
+        if pos_tensor is not None and pos_tensor.shape != pos.shape:
+            return _broadcasting(plan, tuple(pos_tensor.shape))
+        return plan
     spec = Spec(layout, rotary_dim, interleaved, inplace, request, selected, angles,
                 mrope_section, mrope_interleaved)
     if needs_grad:
@@ -334,6 +337,15 @@ def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
         q_out = q_out.flatten(-2)
         k_out = None if k_out is None else k_out.flatten(-2)
     return q_out, k_out
+
+
+def _broadcasting(plan, shape):
+    """A plan whose positions arrive as [1, S] for a batch of B: it expands them, as the full
+    path does (no guard: guards hand positions over as they come)."""
+    def expand_positions(q, k, pos_tensor, pos_offset):
+        return plan(q, k, pos_tensor.expand(shape), pos_offset)
+
+    return expand_positions
 
 
 def _make_plan(backend, call, cos, sin, freq_turns, attention_factor, layout, rotary_dim,
@@ -479,7 +491,7 @@ def _check_pos(pos, q, layout, leading):
     return 0, pos
 
 
-_TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _caller_tables(cos_sin, rotary_dim, head_dim, style, per_token):
@@ -530,7 +542,7 @@ def _check_tables(cos_sin, device):
     cos, sin = cos_sin
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dtype not in _TABLE_DTYPES:
-            raise RopeError(f"cos_sin: {name} must be float32, float16 or bfloat16, got {t.dtype}")
+            raise RopeError(f"cos_sin: {name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
         if t.device != device:
             raise RopeError(f"cos_sin: {name} on {t.device}, q on {device}")
         if t.requires_grad and torch.is_grad_enabled():

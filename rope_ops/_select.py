@@ -17,6 +17,8 @@ import contextvars
 import os
 from contextlib import contextmanager
 
+import torch
+
 from . import registry
 from ._errors import BackendError, RopeError
 from .backend import Backend, RopeCall
@@ -50,11 +52,20 @@ def use_backend(name: str | None):
 
 
 def current_request(backend: str | None = None) -> str:
-    """The request in force for a call: ``backend=``, use_backend, the variable, or auto."""
+    """The request in force for a call: ``backend=``, use_backend, the variable, or auto.
+    Traced by torch.compile, it is read once when the graph is made."""
     if backend is not None:
         if not isinstance(backend, str):
             raise RopeError(f"backend: expected a backend name or comma list (str), got {backend!r}")
         return backend
+    if torch.compiler.is_compiling():
+        return _request_when_traced()
+    return _context_request.get() or os.environ.get(ENV_VAR) or "auto"
+
+
+@torch._dynamo.assume_constant_result
+def _request_when_traced() -> str:
+    # Dynamo cannot trace ContextVar.get; a constant result is read at trace time.
     return _context_request.get() or os.environ.get(ENV_VAR) or "auto"
 
 

@@ -107,3 +107,14 @@ def test_conformance_suite_with_an_unknown_backend_is_one_usage_error():
     assert out.returncode == 4, out.stdout[-2000:]  # pytest's usage-error exit code
     text = out.stdout + out.stderr
     assert text.count("no such rope_ops backend") == 1 and "registered" in text
+
+
+def test_positions_one_by_s_on_repeats_of_every_backend_kind():
+    """[1, S] positions keep working when a call kind repeats through its cached plan."""
+    rope = rope_ops.RotaryEmbedding(16, max_position=64)
+    q, k = torch.randn(2, 4, 9, 16), torch.randn(2, 2, 9, 16)
+    pos = torch.arange(9)[None]
+    first = rope_ops.apply(q, k, pos, rope=rope, layout="bhsd")
+    for _ in range(3):
+        again = rope_ops.apply(q, k, pos, rope=rope, layout="bhsd")
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])

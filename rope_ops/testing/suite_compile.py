@@ -240,6 +240,23 @@ class CompileTests:
         assert_bitwise_equal(functional(q, pos), first_functional, "functional, cache emptied")
         torch._dynamo.reset()
 
+    def test_compile_without_a_backend_argument(self, backend_name, backend_obj, device):
+        """The backend request from use_backend / ROPE_OPS_BACKEND (no backend=) is read when
+        the graph is made: full graph, same result as eager."""
+        _skip_unless_compilable(device)
+        dtype = _dtype_for(backend_obj)
+        q = torch.randn(2, 5, 4, 32).to(dtype).to(device)
+        pos = torch.arange(5, device=device)
+
+        def call(q, pos):
+            return rope_ops.apply(q, None, pos, base=1e4)[0]
+
+        with rope_ops.use_backend(backend_name):
+            got = torch.compile(call, fullgraph=True, backend="aot_eager")(q, pos)
+            want = call(q, pos)
+        assert_bitwise_equal(got, want, "compiled without backend=")
+        torch._dynamo.reset()
+
     def test_op_outputs_have_their_own_storage(self, backend_name, backend_obj, device):
         """torch.ops.rope_ops.rope (what traced code calls) returns q_out and k_out that share
         no storage with each other or the inputs, even where the backend's eager path pairs
