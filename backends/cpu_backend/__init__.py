@@ -1,11 +1,10 @@
 """The CPU backend: C++ kernels in cpu_kernels/, one pass over q and k.
 
 The kernels run threads over tokens (at::parallel_for), rotate in float32 and round to the
-storage type once; each instruction set has its kernel (on x86-64 AVX-512 with or without
-AVX512_BF16, and AVX2, chosen at run time from CPUID; a portable one, plain loops the compiler
-vectorises, everywhere else), all
-in one extension built for the baseline target, so one build serves every CPU of an
-architecture.
+storage type once. Each instruction set has its kernel: on x86-64 AVX-512 (with or without
+AVX512_BF16) and AVX2, chosen at run time from CPUID; everywhere else a portable one, plain loops
+the compiler vectorises. All are in one extension built for the baseline target, so one build
+serves every CPU of an architecture.
 
 Importing this module builds nothing. The extension is compiled on first use (the first
 ``availability()``, which automatic selection asks on the first CPU call) by
@@ -15,7 +14,8 @@ Importing this module builds nothing. The extension is compiled on first use (th
 
 Without a C++ compiler or ninja, or when the build fails, the backend is unavailable with the
 reason and the torch backend serves CPU calls. ``ROPE_OPS_CPU_ISA`` (generic, avx2, avx512,
-avx512_bf16) forces one instruction set, for tests and benchmarks; ``use_isa`` does the same in a block.
+avx512_bf16) forces one instruction set, for tests and benchmarks; ``use_isa`` does the same in
+a block.
 """
 
 from __future__ import annotations
