@@ -30,6 +30,9 @@ def gather_tokens(local: torch.Tensor, indices: torch.Tensor, total: int, dim: i
     world = dist.get_world_size()
     sizes = [None] * world
     dist.all_gather_object(sizes, (local.shape[dim], indices.tolist()))
+    device = local.device
+    if dist.get_backend() == "gloo":  # gloo gathers host memory
+        local = local.cpu()
     shape = list(local.shape)
     pieces = []
     for size, _ in sizes:
@@ -40,7 +43,7 @@ def gather_tokens(local: torch.Tensor, indices: torch.Tensor, total: int, dim: i
     whole = torch.empty(shape, dtype=local.dtype, device=local.device)
     for piece, (_, where) in zip(pieces, sizes):
         whole.index_copy_(dim, torch.tensor(where, device=local.device), piece)
-    return whole
+    return whole.to(device)
 
 
 def runs(positions: torch.Tensor) -> str:

@@ -125,10 +125,15 @@ def _ranges(seq_len, cu_seqlens, cp_size, cp_rank, split):
 
 
 def _indices(ranges, device) -> torch.Tensor:
+    """The concatenated ranges as an int64 tensor on ``device`` (made there: no copy for one
+    sequence's one or two ranges; a pack's many ranges are expanded on the host first)."""
+    if len(ranges) <= 2:
+        pieces = [torch.arange(a, b, dtype=torch.int64, device=device) for a, b in ranges]
+        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=device)
     starts = torch.tensor([a for a, _ in ranges], dtype=torch.int64)
     lengths = torch.tensor([b - a for a, b in ranges], dtype=torch.int64)
-    total = int(lengths.sum()) if ranges else 0
-    if not ranges or total == 0:
+    total = int(lengths.sum())
+    if total == 0:
         return torch.zeros(0, dtype=torch.int64, device=device)
     # token j of the concatenation: starts[range of j] + (j - first index of that range)
     offsets = torch.nn.functional.pad(lengths.cumsum(0)[:-1], (1, 0))
@@ -170,11 +175,14 @@ def cp_positions(seq_len: int | None = None, *, cp_size: int, cp_rank: int, spli
     if dtype not in (torch.int32, torch.int64):
         raise RopeError(f"dtype: expected torch.int32 or torch.int64, got {dtype}")
     ranges, cu = _ranges(seq_len, cu_seqlens, cp_size, cp_rank, split)
-    index = _indices(ranges, "cpu")
     if cu is None:
         if isinstance(start, bool) or not isinstance(start, int):
             raise RopeError(f"start: one sequence takes an int offset, got {type(start).__name__}")
-        return (index + start).to(device=device, dtype=dtype)
+        spans = [(a, b) for a, b in ranges if b > a]
+        if spans:
+            _check_fits(start + spans[0][0], start + max(b for _, b in spans) - 1, dtype)
+        return (_indices(ranges, device) + start).to(dtype)
+    index = _indices(ranges, "cpu")
     bounds = torch.tensor(cu, dtype=torch.int64)
     sequence = torch.searchsorted(bounds[1:], index, right=True)
     positions = index - bounds[sequence]
@@ -187,7 +195,15 @@ def cp_positions(seq_len: int | None = None, *, cp_size: int, cp_rank: int, spli
             raise RopeError(f"start: expected an int or one int offset per sequence [{len(cu) - 1}], "
                             f"got {offsets.dtype} of shape {list(offsets.shape)}")
         positions = positions + offsets.to("cpu", torch.int64)[sequence]
+    if positions.numel():
+        _check_fits(int(positions.min()), int(positions.max()), dtype)
     return positions.to(device=device, dtype=dtype)
+
+
+def _check_fits(low: int, high: int, dtype) -> None:
+    info = torch.iinfo(dtype)
+    if low < info.min or high > info.max:
+        raise RopeError(f"dtype: positions [{low}, {high}] do not fit {dtype}; use torch.int64")
 
 
 def cp_shard(x: torch.Tensor, dim: int, *, cp_size: int, cp_rank: int, split: str = "zigzag",
@@ -840,7 +856,10 @@ def register_sharding_rules() -> None:
     global _registered
     if _registered:
         return
-    from torch.distributed.tensor.experimental import register_sharding
+    try:
+        from torch.distributed.tensor.experimental import register_sharding
+    except ImportError:  # torch < 2.5: no DTensor sharding rules for custom ops
+        return
 
     from . import _ops  # noqa: F401  (defines the ops)
 

@@ -24,6 +24,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -41,11 +42,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Group(NamedTuple):
+    outcomes: dict  # {check: {rank: "ok" | "skip: why" | "fail: traceback"}}
+    seconds: dict  # {check: the slowest rank's time}
+
+
 def run_group(world_size: int, *, rope_backends=("torch",), device: str = "cpu",
-              dist_backend: str = "gloo", checks=None, timeout: float | None = None) -> dict:
-    """Spawn ``world_size`` ranks that run ``checks`` (default: all for that size). Returns
-    {check: {rank: "ok" | "skip: why" | "fail: traceback"}}. Raises RuntimeError when a rank
-    dies or the group outlives ``timeout`` (its processes are killed)."""
+              dist_backend: str = "gloo", checks=None, timeout: float | None = None) -> Group:
+    """Spawn ``world_size`` ranks that run ``checks`` (default: all for that size) and collect
+    their outcomes. Raises RuntimeError when a rank dies or the group outlives ``timeout`` (its
+    processes are killed)."""
     import torch.multiprocessing as mp
 
     names = list(checks or checks_for(world_size))
@@ -68,13 +74,17 @@ def run_group(world_size: int, *, rope_backends=("torch",), device: str = "cpu",
                     process.kill()
                     process.join(5)
         results: dict = {name: {} for name in names}
+        slowest: dict = {name: 0.0 for name in names}
         for rank in range(world_size):
             path = Path(out_dir) / f"rank{rank}.json"
             if not path.exists():
                 raise RuntimeError(f"rank {rank} wrote no results")
-            for name, outcome in json.loads(path.read_text()).items():
+            report = json.loads(path.read_text())
+            for name, outcome in report["outcomes"].items():
                 results[name][rank] = outcome
-        return results
+            for name, spent in report["seconds"].items():
+                slowest[name] = max(slowest[name], spent)
+        return Group(results, slowest)
 
 
 def _worker(rank: int, options: dict) -> None:
@@ -85,17 +95,25 @@ def _worker(rank: int, options: dict) -> None:
     dist.init_process_group(options["dist_backend"], init_method=f"tcp://127.0.0.1:{options['port']}",
                             rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=min(120, options["timeout"])))
-    outcomes = {}
+    outcomes, seconds = {}, {}
     try:
-        ctx = Ctx(rank, world, device, options["rope_backends"])
-        for name in options["checks"]:
-            try:
-                skip = CHECKS[name](ctx)
-                outcomes[name] = "ok" if skip is None else f"skip: {skip}"
-            except Exception:  # reported by the parent, with the traceback
-                outcomes[name] = "fail: " + traceback.format_exc()
+        try:
+            ctx = Ctx(rank, world, device, options["rope_backends"])
+        except Exception:  # every check fails with the reason
+            setup = "fail: setting up the rank: " + traceback.format_exc()
+            outcomes = {name: setup for name in options["checks"]}
+        else:
+            for name in options["checks"]:
+                start = time.monotonic()
+                try:
+                    skip = CHECKS[name](ctx)
+                    outcomes[name] = "ok" if skip is None else f"skip: {skip}"
+                except Exception:  # reported by the parent, with the traceback
+                    outcomes[name] = "fail: " + traceback.format_exc()
+                seconds[name] = time.monotonic() - start
     finally:
-        Path(options["out_dir"], f"rank{rank}.json").write_text(json.dumps(outcomes))
+        Path(options["out_dir"], f"rank{rank}.json").write_text(
+            json.dumps({"outcomes": outcomes, "seconds": seconds}))
         dist.destroy_process_group()
 
 
@@ -1005,21 +1023,23 @@ def main(argv=None) -> int:
     parser.add_argument("--checks", default=None, help="comma list of " + ", ".join(CHECKS))
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT)
     args = parser.parse_args(argv)
-    failed = False
+    failed, summary = False, []
     for world in args.world_size:
         start = time.monotonic()
         checks = args.checks.split(",") if args.checks else None
-        results = run_group(world, rope_backends=args.rope_backend.split(","), device=args.device,
-                            dist_backend=args.dist_backend, checks=checks, timeout=args.timeout)
-        print(f"{world} ranks ({args.dist_backend}, {args.device}, rope backends {args.rope_backend}): "
-              f"{time.monotonic() - start:.1f} s")
+        results, seconds = run_group(world, rope_backends=args.rope_backend.split(","),
+                                     device=args.device, dist_backend=args.dist_backend,
+                                     checks=checks, timeout=args.timeout)
+        summary.append(f"{world} ranks ({args.dist_backend}, {args.device}, rope backends "
+                       f"{args.rope_backend}): {time.monotonic() - start:.1f} s")
         for name, per_rank in results.items():
-            states = sorted(set(v.split(":")[0] for v in per_rank.values()))
-            print(f"  {name}: {'/'.join(states)}")
-            for rank, outcome in sorted(per_rank.items()):
-                if outcome != "ok" and (outcome.startswith("fail") or rank == 0):
-                    print(f"    rank {rank}: {outcome}")
+            states = "/".join(sorted(set(v.split(":")[0] for v in per_rank.values())))
+            summary.append(f"  {name}: {states} ({seconds.get(name, 0.0):.1f} s)")
+            for rank, outcome in sorted(per_rank.items()):  # the details first, the summary last
+                if outcome.startswith("fail") or (outcome.startswith("skip") and rank == 0):
+                    print(f"--- {world} ranks, {name}, rank {rank}: {outcome}")
             failed |= any(v.startswith("fail") for v in per_rank.values())
+    print("\n".join(summary))
     print("FAILED" if failed else "PASSED")
     return 1 if failed else 0
 

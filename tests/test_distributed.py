@@ -147,6 +147,10 @@ _BAD_CP_CALLS = [
     (lambda: rd.cp_positions(cp_size=2, cp_rank=0, cu_seqlens=[0, 8], start=[1, 2]), ["start"]),
     (lambda: rd.cp_positions(8, cp_size=2, cp_rank=0, start=[1]), ["start"]),
     (lambda: rd.cp_positions(8, cp_size=2, cp_rank=0, dtype=torch.float32), ["dtype"]),
+    (lambda: rd.cp_positions(8, cp_size=2, cp_rank=0, start=2**31 - 6, dtype=torch.int32),
+     ["dtype", "int64"]),
+    (lambda: rd.cp_positions(cp_size=2, cp_rank=0, cu_seqlens=[0, 8], start=[2**31], dtype=torch.int32),
+     ["dtype", "int64"]),
     (lambda: rd.cp_shard(torch.zeros(2, 8), 2, cp_size=2, cp_rank=0), ["dim"]),
     (lambda: rd.cp_shard(torch.zeros(2, 8), 1, cp_size=2, cp_rank=0, cu_seqlens=[0, 4]),
      ["cu_seqlens", "4 tokens"]),
@@ -199,7 +203,7 @@ def _group(config, world_size: int) -> dict:
         backend = os.environ.get("ROPE_OPS_DIST_BACKEND", "gloo")
         try:
             _GROUPS[world_size] = checks.run_group(world_size, rope_backends=_rope_backends(config),
-                                                   device=device, dist_backend=backend)
+                                                   device=device, dist_backend=backend).outcomes
         except RuntimeError as error:  # a hang or a dead rank: every check of the group fails
             _GROUPS[world_size] = error
     return _GROUPS[world_size]
