@@ -1,9 +1,10 @@
 """Checks of rope_ops.distributed run by every rank of a spawned process group.
 
 Each rank builds the same global inputs (one seed), computes the single-process result on them
-and its own shard's result the distributed way, and compares them bit for bit (same backend), with
-CommDebugMode asserting that the sharded forward and backward communicate nothing. The
-single-process results are checked against the float64 reference as well.
+and its own shard's result the distributed way, and compares them bit for bit (same backend;
+``shape_dependent`` names the one exception), with CommDebugMode asserting that the sharded
+forward and backward communicate nothing. The single-process results are checked against the
+float64 reference as well.
 
 ``run_group`` spawns the ranks (a free port, a deadline so a hang fails) and returns each check's
 outcome per rank. Device-agnostic: ``device="cuda"`` puts rank r on GPU r % count (several ranks
@@ -55,7 +56,8 @@ def run_group(world_size: int, *, rope_backends=("torch",), device: str = "cpu",
     import torch.multiprocessing as mp
 
     names = list(checks or checks_for(world_size))
-    timeout = float(os.environ.get("ROPE_OPS_DIST_TIMEOUT", timeout or DEFAULT_TIMEOUT))
+    if timeout is None:
+        timeout = float(os.environ.get("ROPE_OPS_DIST_TIMEOUT", DEFAULT_TIMEOUT))
     with tempfile.TemporaryDirectory(prefix="rope_ops_dist_") as out_dir:
         options = {"port": free_port(), "world_size": world_size, "rope_backends": list(rope_backends),
                    "device": device, "dist_backend": dist_backend, "checks": names,
@@ -613,9 +615,17 @@ def check_ops(c: Ctx):
     """torch.ops.rope_ops.rope / rope_ called on DTensors directly: the sharding rules run them
     locally (positions replicated are sliced, never gathered), bit for bit, no communication."""
     import rope_ops
+    import rope_ops.distributed  # noqa: F401  (registers the ops' sharding rules)
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     b, s, h, hk, d = 2, 2 * c.world + 1, 2 * c.world, c.world, 8
+    try:  # the watch sees communication where there is some (an all-gather)
+        with no_communication("control"):
+            placed(c.randn(b, s, d), c.meshes["1d"], [Shard(1)]).full_tensor()
+    except AssertionError as e:
+        assert "collectives" in str(e), e
+    else:
+        raise AssertionError("no_communication missed an all-gather")
     failures = Failures()
     for backend in c.rope_backends:
         for mesh_name, q_pl, pos_pl in (("1d", [Shard(1)], [Replicate()]), ("1d", [Shard(1)], [Shard(1)]),
@@ -853,6 +863,7 @@ def check_prologue(c: Ctx):
 
 def check_prologue_ops(c: Ctx):
     """The prologue's ops (forward, in place, backward) on DTensors through their sharding rules."""
+    import rope_ops.distributed  # noqa: F401  (registers the ops' sharding rules)
     from rope_ops import registry
     from rope_ops.prologue import _prepare
     from torch.distributed.tensor import Partial, Replicate, Shard
@@ -986,6 +997,12 @@ def check_public_apply(c: Ctx):
     return None
 
 
+def check_hang(c: Ctx):
+    """Never returns: run_group's deadline must kill the group (not in checks_for)."""
+    while True:
+        time.sleep(1)
+
+
 CHECKS = {
     "rotation": check_rotation,
     "angle_sources": check_angle_sources,
@@ -998,13 +1015,14 @@ CHECKS = {
     "prologue": check_prologue,
     "prologue_ops": check_prologue_ops,
     "public_apply": check_public_apply,
+    "hang": check_hang,
 }
 
 
 def checks_for(world_size: int) -> list[str]:
     """Everything on 2 ranks; on 4, what the mesh size changes (not compile: its cost is per
     rank, its behaviour is not)."""
-    names = list(CHECKS)
+    names = [name for name in CHECKS if name != "hang"]
     if world_size != 2:
         names.remove("compile")
     return names

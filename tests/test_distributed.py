@@ -10,6 +10,7 @@ The same groups run without pytest: ``python tests/_distributed_checks.py --help
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -189,6 +190,15 @@ def _rope_backends(config) -> list[str]:
     if "cpu" in registry.names() and not registry.availability(registry.get("cpu")):
         names.append("cpu")
     return names
+
+
+def test_a_hanging_group_is_killed_and_fails():
+    import _distributed_checks as checks
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not finish within 10 s"):
+        checks.run_group(1, checks=["hang"], timeout=10)
+    assert time.monotonic() - start < 30, "the group outlived its deadline"
 
 
 _GROUPS: dict = {}
