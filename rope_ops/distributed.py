@@ -15,7 +15,8 @@ Three entry points:
   backend, autograd and torch.compile work as on one device. Positions may be a DTensor sharded or
   replicated to match q, a plain tensor holding every position (the same on every rank; each rank
   takes its slice, no communication) or an int offset. ``apply_dtensor`` is the same for
-  ``rope_ops.apply`` itself to call when it is given DTensors.
+  ``rope_ops.apply`` itself to call when it is given DTensors. ``qkv_prologue`` does the same for
+  the fused prologue on a qkv sharded along batch or sequence.
 - Sharding rules for ``torch.ops.rope_ops.rope``, ``rope_`` and the fused prologue's
   ``qkv_prologue``, ``qkv_prologue_``, ``qkv_prologue_backward``, registered with DTensor on import
   of this module, for code that calls the ops on DTensors directly (eager or compiled).
