@@ -145,7 +145,8 @@ def test_cuda_calls_never_sync():
         rope_s = rope_ops.RotaryEmbedding(64, max_position=1024, style=style)
         for pos in positions:
             for inplace in (False, True):
-                # first calls of a kind build tables and caches (host-to-device copies): not timed
+                # the first calls of a kind build tables and caches (host-to-device copies): outside
+                # sync debug mode
                 rope_ops.apply(q.clone(), k.clone(), pos, rope=rope_s, backend="torch", inplace=inplace)
                 rope_ops.apply_grad(q, k, pos, rope=rope_s, backend="torch")
                 torch.cuda.synchronize()
