@@ -31,3 +31,6 @@ def select_backend(q, k, pos, **kwargs) -> str:
     from . import _api
 
     return _api.which_backend(q, k, pos, **kwargs)
+
+
+from . import distributed as _distributed  # noqa: E402,F401  (registers the ops' DTensor sharding rules)

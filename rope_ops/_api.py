@@ -267,6 +267,11 @@ def resolve_angles(q, pos, kw: dict, layout: str, head_dim: int, leading: tuple)
 def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
     """Validate, resolve the tables, select, and run (mode "run"), or return the backend's name
     ("select") or a plan for repeats of this call kind ("plan")."""
+    if type(q) is not torch.Tensor or (k is not None and type(k) is not torch.Tensor):
+        from . import distributed
+
+        if distributed.is_dtensor(q) or distributed.is_dtensor(k):  # each rank rotates its shard
+            return distributed.apply_dtensor(q, k, pos, kw, inverse, mode)
     out = kw["out"]
     flat = kw["head_dim"] is not None
     if flat:

@@ -66,6 +66,17 @@ def qkv_prologue(qkv: torch.Tensor, pos, *, num_q_heads: int, num_kv_heads: int,
         cache_scales: (k_scale, v_scale) for a float8 cache: the cache holds value / scale.
         backend: as for ``rope_ops.apply``.
     """
+    if type(qkv) is not torch.Tensor:
+        from . import distributed
+
+        if distributed.is_dtensor(qkv):  # each rank runs its shard of tokens
+            return distributed.qkv_prologue(
+                qkv, pos, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                q_norm=q_norm, k_norm=k_norm, eps=eps, norm_offset=norm_offset, rotate=rotate,
+                rotary_dim=rotary_dim, style=style, base=base, scaling=scaling, rope=rope,
+                cos_sin=cos_sin, max_position=max_position, seq_len=seq_len,
+                mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, inplace=inplace,
+                kv_cache=kv_cache, slots=slots, cache_scales=cache_scales, backend=backend)
     kw = {"rotary_dim": rotary_dim, "style": style, "base": base, "scaling": scaling, "rope": rope,
           "cos_sin": cos_sin, "max_position": max_position, "seq_len": seq_len,
           "mrope_section": mrope_section, "mrope_interleaved": mrope_interleaved}
