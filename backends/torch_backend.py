@@ -55,9 +55,7 @@ class TorchBackend(Backend):
         q = bshd_view(args.q, args.layout)
         batch, seq = q.shape[0], q.shape[1]
         compute_dtype = torch.float64 if args.q.dtype == torch.float64 else torch.float32
-        cos, sin = _cos_sin(args, batch, seq)  # [1 or B, S, r/2] float32
-        if compute_dtype != torch.float32:
-            cos, sin = cos.to(compute_dtype), sin.to(compute_dtype)
+        cos, sin = _cos_sin(args, batch, seq, compute_dtype)  # [1 or B, S, r/2]
         if args.inverse:
             sin = -sin
         device_type = args.q.device.type
@@ -184,20 +182,23 @@ def _rotate_complex(x, out, rotation, step: int, dtype, interleaved: bool, inpla
         out[:, s0:s1].copy_(buf)
 
 
-def _cos_sin(args: KernelArgs, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 (cos, sin) rows [1 or B, S, r/2] of the call's tokens, honouring the spec for any
-    position and every angle source (``cos_sin_rows``); for table rows, the on-the-fly branch
-    runs only when some position may lie outside the table."""
+def _cos_sin(args: KernelArgs, batch: int, seq: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) rows [1 or B, S, r/2] of the call's tokens in ``dtype``, honouring the spec for
+    any position and every angle source (``cos_sin_rows``); for table rows, the on-the-fly branch
+    runs only when some position may lie outside the table, and rows of a float64 table keep
+    their precision for float64 calls."""
     if args.angles == "table":
         rows = _table_rows(args, seq)
         if rows is not None:
-            return rows
-    return cos_sin_rows(args, positions_bs(args, batch, seq))
+            return rows[0].to(dtype), rows[1].to(dtype)
+    cos, sin = cos_sin_rows(args, positions_bs(args, batch, seq))
+    return cos.to(dtype), sin.to(dtype)
 
 
 def _table_rows(args: KernelArgs, seq: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The table rows of the call's positions when every position is known, without a device
-    sync, to lie in the table: an int offset, or positions on the CPU; else None."""
+    """The table rows (in the table's dtype) of the call's positions when every position is
+    known, without a device sync, to lie in the table: an int offset, or positions on the CPU;
+    else None."""
     n_rows = args.cos.shape[0]
     if args.pos is None:
         start = args.pos_offset
@@ -215,4 +216,4 @@ def _table_rows(args: KernelArgs, seq: int) -> tuple[torch.Tensor, torch.Tensor]
         half = args.cos.shape[1]
         rows = (args.cos.index_select(0, flat).view(*positions.shape, half),
                 args.sin.index_select(0, flat).view(*positions.shape, half))
-    return rows[0].to(torch.float32), rows[1].to(torch.float32)
+    return rows
