@@ -19,7 +19,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from rope_ops.backend import Backend, KernelArgs, bshd_view
+from rope_ops.backend import Backend, KernelArgs, PrologueArgs, RopeCall, bshd_view
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -155,8 +155,8 @@ def _head_bytes(shape: CallShape) -> int:
     return dims * shape.elem_size
 
 
-def _warps_for(chunk_bytes: int) -> int:
-    return max(1, min(8, _prev_pow2(chunk_bytes // (CHUNK_BYTES_PER_THREAD * 32))))
+def _warps_for(chunk_bytes: int, bytes_per_thread: int = CHUNK_BYTES_PER_THREAD) -> int:
+    return max(1, min(8, _prev_pow2(chunk_bytes // (bytes_per_thread * 32))))
 
 
 def _programs(shape: CallShape, bt: int, bhq: int, bhk: int, head_grid: bool) -> int:
@@ -166,15 +166,30 @@ def _programs(shape: CallShape, bt: int, bhq: int, bhk: int, head_grid: bool) ->
     return blocks * (_cdiv(shape.q_heads, bhq) + _cdiv(shape.k_heads, bhk))
 
 
-def launch_policy(shape: CallShape, device: DeviceInfo, narrow_heads: bool = True) -> KernelConfig:
-    """The kernel configuration for a call. A chunk moves CHUNK_BYTES: heads per chunk the widest
-    power of two that pads little, then tokens to fill it. The token walk when its programs fill
-    the GPU; else the head grid, with fewer tokens per program (and, unless narrow_heads is
-    False, narrower chunks) until it has enough programs. Warps by chunk bytes."""
+class ChunkRules(NamedTuple):
+    """The constants of launch_policy: bytes a chunk moves (dense heads; rotary dims only in
+    place), heads per chunk at most, bytes per thread (warps)."""
+
+    chunk_bytes: int = CHUNK_BYTES
+    chunk_bytes_rotary_only: int = CHUNK_BYTES_ROTARY_ONLY
+    max_block_h: int = MAX_BLOCK_H
+    bytes_per_thread: int = CHUNK_BYTES_PER_THREAD
+
+
+ROPE_RULES = ChunkRules()
+
+
+def launch_policy(shape: CallShape, device: DeviceInfo, narrow_heads: bool = True,
+                  rules: ChunkRules = ROPE_RULES) -> KernelConfig:
+    """The kernel configuration for a call. A chunk moves rules.chunk_bytes: heads per chunk the
+    widest power of two that pads little, then tokens to fill it. The token walk when its
+    programs fill the GPU; else the head grid, with fewer tokens per program (and, unless
+    narrow_heads is False, narrower chunks) until it has enough programs. Warps by chunk bytes.
+    The fused prologue has its own rules (prologue.PROLOGUE_RULES)."""
     head_bytes = _head_bytes(shape)
     rotary_only = shape.inplace and shape.rotary_dim < shape.head_dim
-    chunk = CHUNK_BYTES_ROTARY_ONLY if rotary_only else CHUNK_BYTES
-    cap = max(1, min(MAX_BLOCK_H, chunk // head_bytes))
+    chunk = rules.chunk_bytes_rotary_only if rotary_only else rules.chunk_bytes
+    cap = max(1, min(rules.max_block_h, chunk // head_bytes))
     bhq = _heads_per_chunk(shape.q_heads, cap)
     bhk = _heads_per_chunk(shape.k_heads, cap) if shape.k_heads else 1
     bt = _prev_pow2(max(1, min(MAX_BLOCK_T, chunk // (bhq * head_bytes),
@@ -190,14 +205,16 @@ def launch_policy(shape: CallShape, device: DeviceInfo, narrow_heads: bool = Tru
                 bhq //= 2
             else:
                 bhk //= 2
-    return KernelConfig(head_grid, bt, bhq, bhk, _warps_for(bt * bhq * head_bytes))
+    return KernelConfig(head_grid, bt, bhq, bhk,
+                        _warps_for(bt * bhq * head_bytes, rules.bytes_per_thread))
 
 
-def candidate_configs(shape: CallShape, device: DeviceInfo) -> list[KernelConfig]:
+def candidate_configs(shape: CallShape, device: DeviceInfo,
+                      rules: ChunkRules = ROPE_RULES) -> list[KernelConfig]:
     """The policy's choice, then its neighbours: tokens x2 and /2, heads x2 and /2 (tokens the
     other way, same chunk bytes), warps x2 and /2, the other grid kind, and the head grid
     without narrowed chunks."""
-    best = launch_policy(shape, device)
+    best = launch_policy(shape, device, rules=rules)
     g, bt, bhq, bhk, w = best
     raw = [best,
            KernelConfig(g, bt * 2, bhq, bhk, w), KernelConfig(g, bt // 2, bhq, bhk, w),
@@ -205,7 +222,7 @@ def candidate_configs(shape: CallShape, device: DeviceInfo) -> list[KernelConfig
            KernelConfig(g, bt * 2, bhq // 2, bhk // 2, w),
            KernelConfig(g, bt, bhq, bhk, w * 2), KernelConfig(g, bt, bhq, bhk, w // 2),
            KernelConfig(not g, bt, bhq, bhk, w),
-           launch_policy(shape, device, narrow_heads=False)]
+           launch_policy(shape, device, narrow_heads=False, rules=rules)]
     hq_max = min(2 * MAX_BLOCK_H, _next_pow2(shape.q_heads))
     hk_max = min(2 * MAX_BLOCK_H, _next_pow2(max(1, shape.k_heads)))
     t_max = max(bt, min(2 * MAX_BLOCK_T, _next_pow2(shape.n_tokens)))
@@ -231,11 +248,12 @@ def rotary_pieces(rotary_dim: int) -> tuple[int, int]:
 def pass_pieces(rotary_dim: int, head_dim: int) -> tuple[int, int, int]:
     """(PASS_A, PASS_B, PASS_C): widths of tiles covering dims [R, D) one after the other, each
     starting at a multiple of its width (so its accesses are as wide as the data allows); the
-    third, if needed, is masked at D. Zeros where fewer are needed."""
+    third, if needed, is masked at D. Zeros where fewer are needed. R may be 0 (the fused
+    prologue without rotation: every dim passes through)."""
     widths = []
     off = rotary_dim
     while off < head_dim and len(widths) < 2:
-        w = min(off & -off, _prev_pow2(head_dim - off))
+        w = _prev_pow2(head_dim - off) if off == 0 else min(off & -off, _prev_pow2(head_dim - off))
         widths.append(w)
         off += w
     if off < head_dim:
@@ -254,7 +272,7 @@ def _kernels() -> dict:
     if not _triton_state:
         import triton
 
-        from . import kernels
+        from . import kernels, prologue_kernels
 
         direct = not _INTERPRET and os.environ.get("ROPE_OPS_TRITON_DIRECT", "1") != "0"
         try:
@@ -263,8 +281,8 @@ def _kernels() -> dict:
         except Exception:
             direct, runtime, stream = False, None, None
         libdevice = (not _INTERPRET) and kernels.libdevice is not None
-        _triton_state.update(kernels=kernels, libdevice=libdevice, direct=direct,
-                             runtime=runtime, stream=stream)
+        _triton_state.update(kernels=kernels, prologue_kernels=prologue_kernels,
+                             libdevice=libdevice, direct=direct, runtime=runtime, stream=stream)
     return _triton_state
 
 
@@ -344,8 +362,6 @@ def _strides4(t, shape4) -> list[int]:
 def _make_launch(args: KernelArgs, cfg: KernelConfig | None, libdevice: bool) -> _Launch | None:
     """The launch of one call class (outputs given in args), or None when there is nothing to
     do. cfg None: the policy's."""
-    if args.angles != "table":  # supports() refuses other angle kinds (not declared)
-        raise NotImplementedError(f"triton backend: angles {args.angles!r} not implemented")
     layout = args.layout
     q4, qo4 = bshd_view(args.q, layout), bshd_view(args.q_out, layout)
     batch, seq, hq, head_dim = q4.shape
@@ -387,21 +403,44 @@ def _make_launch(args: KernelArgs, cfg: KernelConfig | None, libdevice: bool) ->
                    (*angle_ints, *consts), args.q.get_device())
 
 
+_ANGLE_KINDS = {"table": 0, "token": 1, "mrope": 2}  # kernels.ANGLES_POSITIONS / _TOKEN / _MROPE
+
+
 def _angle_source(args: KernelArgs) -> tuple[tuple, tuple]:
-    """The angle stage's launch arguments: (ints after pos_offset and attn_factor, constexprs
-    ANGLES, HAS_POS, HAS_TURNS). A new angle kind adds its branch here and in kernels._angles."""
+    """The angle stage's launch arguments: (ints after pos_offset and attn_factor: n_rows,
+    sp_b, sp_s, sc_row, ss_row, sp_a, sc_b, ss_b; constexprs ANGLES, HAS_POS, HAS_TURNS,
+    MROPE_S1, MROPE_S2, MROPE_INTERLEAVED). Strides of size-1 dims are 0 (canonical)."""
+    def stride(t, dim):
+        return t.stride(dim) if t.shape[dim] > 1 else 0
+
+    kind = args.angles
     pos = args.pos
+    if kind == "token":
+        # cos/sin [B, S, R/2]: the (batch, token) strides take the place of the row stride.
+        return ((0, 0, 0, stride(args.cos, 1), stride(args.sin, 1), 0, stride(args.cos, 0),
+                 stride(args.sin, 0)),
+                (_ANGLE_KINDS[kind], False, args.freq_turns is not None, 0, 0, False))
+    sp_a = 0
     if pos is None:
         sp = (0, 0)
+    elif kind == "mrope":  # [3, B, S], or [3, S] shared by the batch / [3, T]
+        sp_a = pos.stride(0)
+        sp = (stride(pos, 1), stride(pos, 2)) if pos.dim() == 3 else (0, stride(pos, 1))
     elif pos.dim() == 1:
-        sp = (0, pos.stride(0) if pos.shape[0] > 1 else 0)
+        sp = (0, stride(pos, 0))
     else:
-        sp = (pos.stride(0) if pos.shape[0] > 1 else 0, pos.stride(1) if pos.shape[1] > 1 else 0)
+        sp = (stride(pos, 0), stride(pos, 1))
     n_rows = args.cos.shape[0]
     # Table rows may be strided (cos and sin the halves of one [P, R] cache); canonical when
     # there is at most one row.
     rows = tuple(t.stride(0) if n_rows > 1 else args.rotary_dim // 2 for t in (args.cos, args.sin))
-    return (n_rows, *sp, *rows), (0, pos is not None, args.freq_turns is not None)  # 0: POSITIONS
+    if kind == "mrope":
+        section = tuple(args.mrope_section)
+        mrope = (section[1], section[2], bool(args.mrope_interleaved))
+    else:
+        mrope = (0, 0, False)
+    return ((n_rows, *sp, *rows, sp_a, 0, 0),
+            (_ANGLE_KINDS[kind], pos is not None, args.freq_turns is not None, *mrope))
 
 
 def _angle_pointers(pos, cos, sin, turns) -> tuple:
@@ -430,10 +469,17 @@ class TritonBackend(Backend):
     dtypes: ClassVar[frozenset[torch.dtype]] = frozenset(
         {torch.float32, torch.float16, torch.bfloat16}
     )
-    # Angles from position tables only (kernels.ANGLES_POSITIONS); caller tables in any float
-    # dtype the data may have (read, then float32).
+    # Angles from position tables, per-token cos/sin and mRoPE positions (kernels.ANGLES_*);
+    # caller tables in any float dtype the data may have (read, then float32).
+    angle_kinds: ClassVar[frozenset[str]] = frozenset({"table", "token", "mrope"})
     table_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset(
         {torch.float32, torch.float16, torch.bfloat16}
+    )
+    # The fused prologue (prologue_kernels.py); float8 e4m3 caches where the GPU converts to it
+    # (compute capability 8.9 and later; see supports()).
+    supports_prologue: ClassVar[bool] = True
+    prologue_cache_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset(
+        {d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None}
     )
 
     def __init__(self) -> None:
@@ -464,6 +510,14 @@ class TritonBackend(Backend):
         d["interpret"] = _INTERPRET
         return d
 
+    def supports(self, call: RopeCall) -> list[str]:
+        reasons = super().supports(call)
+        if (call.op == "prologue" and call.cache_dtype is not None
+                and call.cache_dtype in self.prologue_cache_dtypes and call.device_type == "cuda"
+                and not _INTERPRET and torch.cuda.get_device_capability() < (8, 9)):
+            reasons.append("float8 cache write needs compute capability 8.9 or later")
+        return reasons
+
     # -- run ------------------------------------------------------------------------------
 
     def run(self, args: KernelArgs):
@@ -488,7 +542,8 @@ class TritonBackend(Backend):
                    None if turns is None else _aligned(turns))
         key = (args.layout, q.shape, q.stride(), qo.stride(), aligned, cos.shape, cos.stride(),
                sin.stride(), cos.dtype, sin.dtype, args.rotary_dim, args.interleaved, args.inverse,
-               args.inplace, q.dtype, q.get_device(), cfg)
+               args.inplace, q.dtype, q.get_device(), cfg, args.angles, args.mrope_section,
+               args.mrope_interleaved)
         launch = self._launches.get(key, False)
         if launch is False:
             launch = _make_launch(args, cfg, _kernels()["libdevice"])
@@ -502,6 +557,18 @@ class TritonBackend(Backend):
         ptrs = (q, q if k is None else k, qo, qo if ko is None else ko,
                 *_angle_pointers(pos, cos, sin, turns))
         _on_device(launch, ptrs, args.pos_offset, float(args.attention_factor))
+
+    # -- the fused prologue -----------------------------------------------------------------
+
+    def run_prologue(self, args: PrologueArgs) -> None:
+        from .prologue import run_prologue
+
+        run_prologue(args)
+
+    def run_prologue_backward(self, args: PrologueArgs, grad_q, grad_k, grad_v):
+        from .prologue import run_prologue_backward
+
+        return run_prologue_backward(args, grad_q, grad_k, grad_v)
 
     # -- bound launchers (rope_ops.apply's cached plans) ------------------------------------
 

@@ -1,0 +1,271 @@
+"""Host side of the Triton fused prologue (TritonBackend.run_prologue / run_prologue_backward):
+launch arguments from PrologueArgs, the launch configuration, and the weight gradients'
+final reduction. The kernels are in prologue_kernels.py.
+
+Launches go through triton's JIT (``kernel[grid](...)``); the configuration comes from the rope
+kernel's launch policy (``launch_policy``) on the call's class, a chunk holding whole heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+
+from rope_ops.backend import PrologueArgs, prologue_forward_torch
+
+from . import (_INTERPRET, WALK_PROGRAMS_PER_SM, CallShape, ChunkRules, KernelConfig,
+               _angle_pointers, _angle_source, _cdiv, _kernels, _next_pow2, _prev_pow2,
+               _stand_in, _strides4, candidate_configs, device_info, launch_policy, parse_label,
+               pass_pieces, rotary_pieces)
+
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+CACHE_NONE, CACHE_SAME, CACHE_SCALED, CACHE_SCALED_GRID = 0, 1, 2, 3  # prologue_kernels.CACHE_*
+# The backward's programs each take up to this many token blocks (fewer rows of weight-gradient
+# partial sums to write and add up), keeping WALK_PROGRAMS_PER_SM programs per SM.
+MAX_BLOCKS_PER_PROGRAM = 16
+# The launch policy's rules for the prologue: a chunk holds whole heads in float32 through the
+# norm, the rotation and (backward) the input and its gradient at once, so twice the threads of
+# the rope kernel per chunk byte and half its chunk (sm_90 compile, W1 shapes, triton 3.9: 16
+# heads x 4 tokens x 256 bytes at 8 warps took 145 registers, 8 x 4 at 8 warps 95).
+PROLOGUE_RULES = ChunkRules(chunk_bytes=8192, chunk_bytes_rotary_only=8192, max_block_h=8,
+                            bytes_per_thread=32)
+# Registers per thread at most (ptxas's .maxnreg): 16 warps per SM. Left free, ptxas schedules
+# the unrolled chunks' loads early and takes up to 204 (backward, W4 shapes) without needing
+# them (no spills at 128; tests/test_triton_compile.py checks).
+PROLOGUE_MAX_REGISTERS = 128
+
+
+def prologue_pieces(rotary_dim: int, head_dim: int) -> tuple[int, int, int, int, int]:
+    """(ROT_A, ROT_B, PASS_A, PASS_B, PASS_C) of a head; rotary_dim 0 (no rotation): every dim
+    in pass-through pieces."""
+    rot = rotary_pieces(rotary_dim) if rotary_dim else (0, 0)
+    rest = pass_pieces(rotary_dim, head_dim) if rotary_dim < head_dim else (0, 0, 0)
+    return (*rot, *rest)
+
+
+def prologue_shape(args: PrologueArgs) -> CallShape:
+    """The call's class for the launch policy: a chunk moves whole heads (the norm reads every
+    dim)."""
+    lead = args.qkv.shape[:-1]
+    n_tokens = 1
+    for n in lead:
+        n_tokens *= n
+    return CallShape(n_tokens, args.num_q_heads, args.num_kv_heads, args.head_dim,
+                     args.rotary_dim if args.rotate else args.head_dim, args.qkv.element_size(),
+                     False)
+
+
+def prologue_policy(args: PrologueArgs) -> KernelConfig:
+    """The configuration of the forward and the backward (which walks tokens whatever it says
+    about the grid)."""
+    return launch_policy(prologue_shape(args), device_info(args.qkv.device), rules=PROLOGUE_RULES)
+
+
+def prologue_candidates(args: PrologueArgs) -> list[str]:
+    """Labels of the configurations worth timing (the policy's first). Tooling only."""
+    configs = candidate_configs(prologue_shape(args), device_info(args.qkv.device), PROLOGUE_RULES)
+    return [c.label() for c in configs]
+
+
+def _as_bs(t: torch.Tensor, thd: bool) -> torch.Tensor:
+    """A [B, S, ...] view (thd: B = 1)."""
+    return t.unsqueeze(0) if thd else t
+
+
+def _token_strides(t: torch.Tensor) -> tuple[int, int]:
+    """(batch, token) strides of a [B, S, ...] view, 0 where that dim has size 1."""
+    return tuple(t.stride(i) if t.shape[i] > 1 else 0 for i in (0, 1))
+
+
+def _tok_split(batch: int, seq: int) -> int:
+    return 1 if batch == 1 else (2 if seq == 1 else 0)
+
+
+def _angle_arguments(args: PrologueArgs, q4: torch.Tensor):
+    """(pointers pos, cos, sin, turns; ints after pos_offset, attn_factor; constexprs) of the
+    angle stage; placeholders without rotation (never read)."""
+    if not args.rotate:
+        x = args.qkv
+        return (x, x, x, x), (0,) * 8, (0, False, False, 0, 0, False)
+    kargs = args.rotation(q4)
+    ints, consts = _angle_source(kargs)
+    cos, sin = args.cos, args.sin
+    if args.angles != "token" and cos.shape[0] == 0:
+        cos = sin = _stand_in(cos, args.rotary_dim)
+    return _angle_pointers(args.pos, cos, sin, args.freq_turns), ints, consts
+
+
+def _weight(w: torch.Tensor | None, qkv: torch.Tensor):
+    """(pointer, stride, present) of a norm weight."""
+    if w is None:
+        return qkv, 0, False
+    return w, (w.stride(0) if w.shape[0] > 1 else 0), True
+
+
+@contextlib.contextmanager
+def _on_device(device: torch.device):
+    """Triton launches on the current device: make it the tensors'."""
+    if device.type == "cuda" and device.index is not None and \
+            device.index != torch.cuda.current_device():
+        with torch.cuda.device(device.index):
+            yield
+    else:
+        yield
+
+
+def _config(args: PrologueArgs, label: str | None) -> KernelConfig:
+    return parse_label(label) if label is not None else prologue_policy(args)
+
+
+class PrologueLaunch(NamedTuple):
+    """One launch of a prologue kernel: grid size, warps, the kernel's arguments in signature
+    order (constexprs included, as triton takes them), and the tensors it writes that the
+    caller returns."""
+
+    programs: int
+    num_warps: int
+    arguments: tuple
+    max_registers: int | None
+    grad_qkv: torch.Tensor | None = None
+    partials: tuple = ()
+
+    def options(self) -> dict:
+        """Triton's launch options."""
+        opts = {"num_warps": self.num_warps}
+        if self.max_registers is not None and not _INTERPRET:
+            opts["maxnreg"] = self.max_registers
+        return opts
+
+
+def forward_launch(args: PrologueArgs, label: str | None = None,
+                   max_registers: int | None = PROLOGUE_MAX_REGISTERS) -> PrologueLaunch | None:
+    """The forward's launch, or None where the kernel does not apply (no tokens; outputs
+    without stride 1 on head_dim, which rope_ops never allocates: run_prologue then runs the
+    torch ops)."""
+    thd = args.layout == "thd"
+    qkv = args.qkv
+    x3 = _as_bs(qkv, thd)
+    batch, seq = x3.shape[0], x3.shape[1]
+    n_tokens = batch * seq
+    hq, hk, d = args.num_q_heads, args.num_kv_heads, args.head_dim
+    if n_tokens == 0:
+        return None
+    heads = x3.unflatten(-1, (hq + 2 * hk, d))
+    if args.inplace:
+        outs = (heads[:, :, :hq], heads[:, :, hq:hq + hk], heads[:, :, hq:hq + hk])
+    else:
+        outs = tuple(_as_bs(t, thd) for t in (args.q_out, args.k_out, args.v_out))
+    if d > 1 and any(t.stride(-1) != 1 for t in outs):
+        return None
+    out_strides = [tuple(_strides4(t, t.shape)[:3]) for t in outs]
+    cache = CACHE_NONE
+    kc = vc = slots = qkv
+    n_slots = 0
+    cache_ints = (0, 0, 0, 0, 0, 0)
+    if args.k_cache is not None:
+        kc, vc = args.k_cache, args.v_cache
+        cache = CACHE_SAME
+        if kc.dtype == _FP8:
+            cache = CACHE_SCALED_GRID if _INTERPRET else CACHE_SCALED
+        slots = _as_bs(args.slots, thd)
+        n_slots = kc.shape[0]
+        cache_ints = (kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+                      *_token_strides(slots))
+    angle_ptrs, angle_ints, angle_consts = _angle_arguments(args, heads[:, :, :hq])
+    qw, s_qw, q_norm = _weight(args.q_weight, qkv)
+    kw, s_kw, k_norm = _weight(args.k_weight, qkv)
+    r = args.rotary_dim if args.rotate else 0
+    cfg = _config(args, label)
+    block_hq = min(cfg.block_hq, _next_pow2(hq))
+    block_hk = min(cfg.block_hk, _next_pow2(hk))
+    store_v = not args.inplace
+    n_chunks = _cdiv(hq, block_hq) + _cdiv(hk, block_hk) * (2 if store_v or cache else 1)
+    programs = _cdiv(n_tokens, cfg.block_t) * (n_chunks if cfg.head_grid else 1)
+    arguments = (
+        qkv, *outs, n_tokens, seq, *_token_strides(x3), *out_strides[0], *out_strides[1],
+        *out_strides[2],
+        qw, kw, s_qw, s_kw, float(args.eps), float(args.weight_offset),
+        kc, vc, slots, n_slots, *cache_ints, float(args.k_scale), float(args.v_scale),
+        *angle_ptrs, int(args.pos_offset), float(args.attention_factor), *angle_ints,
+        hq, hk, d, r, bool(args.interleaved), _tok_split(batch, seq), bool(args.rotate),
+        *angle_consts, _kernels()["libdevice"], q_norm, k_norm, store_v, cache,
+        *prologue_pieces(r, d), cfg.head_grid, cfg.block_t, block_hq, block_hk)
+    return PrologueLaunch(programs, cfg.num_warps, arguments, max_registers)
+
+
+def backward_launch(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | None = None,
+                    max_registers: int | None = PROLOGUE_MAX_REGISTERS) -> PrologueLaunch:
+    """The backward's launch, with the grad_qkv it writes and the weight gradients' partial
+    sums ([programs, D] float32, one row per program)."""
+    thd = args.layout == "thd"
+    qkv = args.qkv
+    hq, hk, d = args.num_q_heads, args.num_kv_heads, args.head_dim
+    grad_qkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    x3, dx3 = _as_bs(qkv, thd), _as_bs(grad_qkv, thd)
+    batch, seq = x3.shape[0], x3.shape[1]
+    n_tokens = batch * seq
+    cfg = _config(args, label)
+    block_hq = min(cfg.block_hq, _next_pow2(hq))
+    block_hk = min(cfg.block_hk, _next_pow2(hk))
+    n_blocks = _cdiv(n_tokens, cfg.block_t)
+    target = WALK_PROGRAMS_PER_SM * device_info(qkv.device).sm_count
+    per_program = min(MAX_BLOCKS_PER_PROGRAM, _prev_pow2(max(1, n_blocks // target)))
+    programs = max(1, _cdiv(n_blocks, per_program))
+    grads, g_strides, contig = [], [], True
+    for g in (grad_q, grad_k, grad_v):
+        if g is None:
+            grads.append(qkv)
+            g_strides.append((0, 0, 0, 1))
+            continue
+        g4 = _as_bs(g, thd)
+        st = _strides4(g4, g4.shape)
+        contig = contig and st[3] == 1
+        grads.append(g4)
+        g_strides.append(tuple(st))
+    partials = tuple(torch.empty(programs if w is not None else 1, d, dtype=torch.float32,
+                                 device=qkv.device) for w in (args.q_weight, args.k_weight))
+    q4 = x3.unflatten(-1, (hq + 2 * hk, d))[:, :, :hq]
+    angle_ptrs, angle_ints, angle_consts = _angle_arguments(args, q4)
+    qw, s_qw, q_norm = _weight(args.q_weight, qkv)
+    kw, s_kw, k_norm = _weight(args.k_weight, qkv)
+    r = args.rotary_dim if args.rotate else 0
+    arguments = (
+        qkv, grad_qkv, *grads, n_tokens, seq, *_token_strides(x3), *_token_strides(dx3),
+        *g_strides[0], *g_strides[1], *g_strides[2],
+        qw, kw, s_qw, s_kw, float(args.eps), float(args.weight_offset), *partials,
+        *angle_ptrs, int(args.pos_offset), float(args.attention_factor), *angle_ints,
+        hq, hk, d, r, bool(args.interleaved), _tok_split(batch, seq), bool(args.rotate),
+        *angle_consts, _kernels()["libdevice"], q_norm, k_norm, grad_q is not None,
+        grad_k is not None, grad_v is not None, contig,
+        *prologue_pieces(r, d), cfg.block_t, block_hq, block_hk, per_program)
+    return PrologueLaunch(programs, cfg.num_warps, arguments, max_registers, grad_qkv, partials)
+
+
+def run_prologue(args: PrologueArgs, label: str | None = None,
+                 max_registers: int | None = PROLOGUE_MAX_REGISTERS) -> None:
+    """The forward: q, k, v into args.q_out/k_out/v_out (or q and k into qkv in place), and
+    the cache. ``label``, ``max_registers``: another configuration (tooling)."""
+    if args.qkv.numel() == 0:
+        return
+    launch = forward_launch(args, label, max_registers)
+    if launch is None:
+        prologue_forward_torch(args)
+        return
+    with _on_device(args.qkv.device):
+        _kernels()["prologue_kernels"].prologue_kernel[(launch.programs,)](
+            *launch.arguments, **launch.options())
+
+
+def run_prologue_backward(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | None = None,
+                          max_registers: int | None = PROLOGUE_MAX_REGISTERS):
+    """(grad_qkv, grad of q_weight, grad of k_weight): the weight gradients float32 [D], None
+    where the weight is None. args.qkv is the forward's input; grads may be None (zero)."""
+    launch = backward_launch(args, grad_q, grad_k, grad_v, label, max_registers)
+    with _on_device(args.qkv.device):
+        _kernels()["prologue_kernels"].prologue_backward_kernel[(launch.programs,)](
+            *launch.arguments, **launch.options())
+    weight_grads = [None if w is None else p.sum(0)
+                    for w, p in zip((args.q_weight, args.k_weight), launch.partials)]
+    return launch.grad_qkv, weight_grads[0], weight_grads[1]
