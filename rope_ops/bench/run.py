@@ -70,11 +70,11 @@ def warm_cpu_allocator() -> str:
     try:
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_max = -1, -4
-        ok = libc.mallopt(m_mmap_max, 0) == 1 and libc.mallopt(m_trim_threshold, 1 << 40) == 1
+        ok = libc.mallopt(m_mmap_max, 0) == 1 and libc.mallopt(m_trim_threshold, 1 << 30) == 1
     except (OSError, AttributeError):
         ok = False
     if ok:
-        return ("glibc malloc keeps freed blocks (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=1 TiB): "
+        return ("glibc malloc keeps freed blocks (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=1 GiB): "
                 "after two warm-up rounds no call page-faults")
     return "allocator not warmed (no glibc mallopt here): only warm-up rounds before timing"
 

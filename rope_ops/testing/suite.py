@@ -279,8 +279,8 @@ class RopeConformance(TrainingTests, CompileTests, VariantTests, PrologueTests):
             k = q[:, :, 1:3]
             kwargs["inplace"] = True
         elif bad == "table_dtype":
-            kwargs["cos_sin"] = (torch.ones(8, 32, device=device, dtype=torch.float64),
-                                 torch.zeros(8, 32, device=device, dtype=torch.float64))
+            kwargs["cos_sin"] = (torch.ones(8, 32, device=device, dtype=torch.int32),
+                                 torch.zeros(8, 32, device=device, dtype=torch.int32))
         elif bad == "caller_out_of_range":
             kwargs["cos_sin"] = (torch.ones(3, 32, device=device), torch.zeros(3, 32, device=device))
             pos = 0  # positions 0..4, table of 3 rows: known on the host
