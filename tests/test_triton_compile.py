@@ -4,9 +4,10 @@ The interpreter (tests/test_triton_backend.py) runs the kernel as Python and mis
 the compiler rejects. This compiles, for sm_90, the kernel variants the launch policy picks for
 PERF.md's workloads and for the classes of shape it has rules for (head_dim 80/96/112 in
 pieces, fp32, MQA, partial rotary in and out of place, bhsd, few-token decode), plus a few odd
-ones, and checks that q/k accesses of dense bf16/fp16/fp32 heads are 16-byte vectors and that
-nothing spills. Runs in a subprocess without TRITON_INTERPRET (the variable changes what
-@triton.jit builds). ``python tests/test_triton_compile.py`` prints registers per variant.
+ones, the angle variants (per-token cos/sin, mRoPE) and the fused prologue's forward (QK-norm,
+KV-cache writes in bf16 and float8) and backward, and checks that q/k accesses of dense
+bf16/fp16/fp32 heads are 16-byte vectors and that nothing spills. Runs in a subprocess without
+TRITON_INTERPRET (the variable changes what @triton.jit builds). ``python tests/test_triton_compile.py`` prints registers per variant.
 """
 
 from __future__ import annotations
@@ -34,14 +35,14 @@ SCRIPT = textwrap.dedent(r'''
         import importlib
         sys.modules["rope_ops_backends"] = importlib.import_module("backends")
         import rope_ops_backends.triton_backend as tb
-    from rope_ops.backend import KernelArgs
+    from rope_ops.backend import KernelArgs, PrologueArgs
+    from rope_ops_backends.triton_backend import prologue as tp
 
     H200 = tb.DeviceInfo(sm_count=132)
     TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-          torch.int32: "i32", torch.int64: "i64"}
+          torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
     kern = tb._kernels()["kernels"]
-    fn = kern.rope_kernel
-    NOSPEC = ("n_tokens", "seq_len", "n_rows", "pos_offset")
+    NOSPEC = ("n_tokens", "seq_len", "n_rows", "pos_offset", "n_slots")
 
     def compile_for(args, cfg):
         """Compile the variant run() would launch, specialized as triton's JIT would."""
@@ -50,6 +51,9 @@ SCRIPT = textwrap.dedent(r'''
             args.q, args.q if args.k is None else args.k, args.q_out,
             args.q_out if args.k_out is None else args.k_out,
             *tb._angle_pointers(args.pos, args.cos, args.sin, args.freq_turns), 0, 1.0)
+        return compile_values(kern.rope_kernel, values, {"num_warps": launch.num_warps})
+
+    def compile_values(fn, values, options):
         constexprs = {n for n, p in zip(fn.arg_names, fn.params) if p.is_constexpr}
         sig, cx, attrs = {}, {}, {}
         for i, (n, v) in enumerate(zip(fn.arg_names, values)):
@@ -69,11 +73,10 @@ SCRIPT = textwrap.dedent(r'''
                 if v % 16 == 0:
                     attrs[(i,)] = [["tt.divisibility", 16]]
         src = ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": launch.num_warps})
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
     def make(layout, B, S, hq, hk, D, R, style="neox", dtype=torch.bfloat16, pos="none",
-             inplace=False, caller=False, inverse=False, stride2=False):
+             inplace=False, caller=False, inverse=False, stride2=False, angles="table"):
         shape = {"bshd": lambda h: (B, S, h, D), "thd": lambda h: (B * S, h, D),
                  "sbhd": lambda h: (S, B, h, D), "bhsd": lambda h: (B, h, S, D)}[layout]
         if stride2:
@@ -89,12 +92,58 @@ SCRIPT = textwrap.dedent(r'''
         elif pos == "i32":
             p = torch.zeros(S, dtype=torch.int32)
         cos = torch.empty(64, R // 2)
+        section = None
+        if angles in ("token", "token bf16"):  # the caller's rows, broadcast over the batch
+            table = torch.bfloat16 if angles == "token bf16" else torch.float32
+            cos = torch.empty(1, S, R // 2, dtype=table).expand(B, S, R // 2)
+            p, caller, angles = None, True, "token"
+        elif angles == "mrope":
+            p = torch.zeros(3, B * S if layout == "thd" else S, dtype=torch.int64)
+            section = (R // 2 - 2 * (R // 6), R // 6, R // 6)
         return KernelArgs(q=q, k=k, q_out=q if inplace else torch.empty_like(q),
                           k_out=k if inplace or k is None else torch.empty_like(k), pos=p,
                           pos_offset=0, cos=cos, sin=cos,
                           freq_turns=None if caller else torch.empty(R // 2, dtype=torch.int64),
                           attention_factor=1.0, layout=layout, rotary_dim=R,
-                          interleaved=style == "gptj", inverse=inverse, inplace=inplace)
+                          interleaved=style == "gptj", inverse=inverse, inplace=inplace,
+                          angles=angles, mrope_section=section, mrope_interleaved=style == "gptj")
+
+    def prologue(T, hq, hk, D, R=None, style="neox", dtype=torch.bfloat16, norm=True,
+                 inplace=False, cache=None, batch=None, rotate=True):
+        """PrologueArgs of a [T, W] (or [batch, T / batch, W]) call: positions, float32 weights."""
+        R = D if R is None else R
+        lead = (T,) if batch is None else (batch, T // batch)
+        qkv = torch.empty(*lead, (hq + 2 * hk) * D, dtype=dtype)
+        outs = [None if inplace else torch.empty(*lead, h, D, dtype=dtype) for h in (hq, hk, hk)]
+        kc = vc = slots = None
+        if cache is not None:
+            kc = torch.empty(4096, hk, D, dtype=cache)
+            vc = torch.empty(4096, hk, D, dtype=cache)
+            slots = torch.zeros(lead, dtype=torch.int64)
+        w = torch.empty(D) if norm else None
+        return PrologueArgs(
+            qkv=qkv, q_out=outs[0], k_out=outs[1], v_out=outs[2],
+            pos=torch.zeros(lead, dtype=torch.int64) if rotate else None, pos_offset=0,
+            cos=torch.empty(64, R // 2), sin=torch.empty(64, R // 2),
+            freq_turns=torch.empty(R // 2, dtype=torch.int64), attention_factor=1.0,
+            layout="thd" if batch is None else "bshd", num_q_heads=hq, num_kv_heads=hk,
+            head_dim=D, rotary_dim=R, interleaved=style == "gptj", rotate=rotate, q_weight=w,
+            k_weight=w, eps=1e-6, weight_offset=0.0, inplace=inplace, k_cache=kc, v_cache=vc,
+            slots=slots, k_scale=1.0, v_scale=1.0)
+
+    def compile_prologue(pargs, backward):
+        """Compile the prologue variant run_prologue(_backward) would launch (the policy's
+        configuration for the H200, its register cap)."""
+        label = tb.launch_policy(tp.prologue_shape(pargs), H200, rules=tp.PROLOGUE_RULES).label()
+        if backward:
+            g = [torch.empty(*pargs.qkv.shape[:-1], h, pargs.head_dim, dtype=pargs.qkv.dtype)
+                 for h in (pargs.num_q_heads, pargs.num_kv_heads, pargs.num_kv_heads)]
+            launch = tp.backward_launch(pargs, *g, label=label)
+            fn = tb._kernels()["prologue_kernels"].prologue_backward_kernel
+        else:
+            launch = tp.forward_launch(pargs, label)
+            fn = tb._kernels()["prologue_kernels"].prologue_kernel
+        return label, compile_values(fn, launch.arguments, launch.options())
 
     # name: (args, must be 16-byte vectors)
     cases = {
@@ -117,6 +166,29 @@ SCRIPT = textwrap.dedent(r'''
                                         pos="i32", caller=True), False),
         "fp16 bhsd stride-2 dims": (make("bhsd", 2, 64, 4, 2, 64, 64, "neox", torch.float16,
                                          stride2=True), False),
+        "per-token cos/sin W1": (make("bshd", 4, 4096, 32, 8, 128, 128, angles="token"), True),
+        # bf16 rows (Hugging Face's dtype): the [4, 64] row tile is one element per thread
+        "per-token bf16 cos/sin W1": (make("bshd", 4, 4096, 32, 8, 128, 128,
+                                           angles="token bf16"), False),
+        "mRoPE Qwen2-VL": (make("bshd", 2, 4096, 28, 4, 128, 128, angles="mrope"), True),
+        "mRoPE interleaved thd": (make("thd", 1, 8192, 32, 8, 128, 128, "gptj", angles="mrope"),
+                                  True),
+    }
+    # name: (PrologueArgs, backward, must be 16-byte vectors)
+    prologue_cases = {
+        "prologue prefill QK-norm": (prologue(16384, 32, 8, 128), False, True),
+        "prologue training fwd": (prologue(8192, 32, 8, 128, batch=2), False, True),
+        "prologue training bwd": (prologue(8192, 32, 8, 128, batch=2), True, True),
+        "prologue decode bf16 cache": (prologue(64, 32, 8, 128, cache=torch.bfloat16), False,
+                                       True),
+        "prologue decode fp8 cache": (prologue(64, 32, 8, 128, cache=torch.float8_e4m3fn),
+                                      False, True),
+        "prologue in place gptj hd80 r32": (prologue(4096, 16, 4, 80, 32, "gptj", inplace=True),
+                                            False, True),
+        "prologue norm only fp32": (prologue(4096, 16, 16, 64, rotate=False,
+                                             dtype=torch.float32), False, True),
+        # k/v chunks of 2 heads: the 16-pair piece is one element per thread
+        "prologue bwd hd96 rope only": (prologue(4096, 8, 2, 96, norm=False), True, False),
     }
     CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
@@ -146,6 +218,18 @@ SCRIPT = textwrap.dedent(r'''
         narrow = len(re.findall(r"(?:ld|st)\.global(?:\.[\w:]+)*\.(?:b16|v2\.b16|v4\.b16)\b", ptx))
         regs, spills = resources(ck)
         print(f"{name:32s} {cfg.label():22s} regs {regs:3d} local {spills} "
+              f"16-byte accesses {v4} 2-byte {narrow}")
+        if spills or (vector and (v4 == 0 or narrow)):
+            bad.append(name)
+    for name, (pargs, backward, vector) in prologue_cases.items():
+        if only and name not in only:
+            continue
+        label, ck = compile_prologue(pargs, backward)
+        ptx = ck.asm["ptx"]
+        v4 = len(re.findall(r"(?:ld|st)\.global(?:\.[\w:]+)*\.v4\.b32", ptx))
+        narrow = len(re.findall(r"(?:ld|st)\.global(?:\.[\w:]+)*\.(?:b16|v2\.b16|v4\.b16)\b", ptx))
+        regs, spills = resources(ck)
+        print(f"{name:32s} {label:22s} regs {regs:3d} local {spills} "
               f"16-byte accesses {v4} 2-byte {narrow}")
         if spills or (vector and (v4 == 0 or narrow)):
             bad.append(name)
