@@ -1,17 +1,20 @@
 // rope_ops Ascend C kernels: host glue. Registers
 //   torch.ops.rope_ops_ascend.rotary_embedding       (RotaryEmbedding)
 //   torch.ops.rope_ops_ascend.rotary_embedding_grad  (RotaryEmbeddingGrad: rotation by -angle)
-// with impls for PrivateUse1 (the NPU) and Meta. Both write into q_out / k_out and return nothing;
-// backends/ascend_backend/_kernel_call.py passes q, k and the outputs as strided [B, S, H, D] views
-// and positions as a strided [B, S] view (or none: pos_offset + s).
+//   torch.ops.rope_ops_ascend.qkv_prologue           (the fused prologue: norm, rotation, cache write)
+//   torch.ops.rope_ops_ascend.qkv_prologue_grad      (its backward: grad of qkv, weight-gradient sums)
+// with impls for PrivateUse1 (the NPU) and Meta. All write into their outputs and return nothing;
+// backends/ascend_backend/_kernel_call.py passes tensors as strided [B, S, H, D] views, positions
+// as a strided [B, S] ([3, B, S] for mRoPE) view (or none: pos_offset + s), cos/sin as given
+// ([P, r/2] tables with any row stride, or per-token [B, S, r/2] rows; float32/float16/bfloat16).
 //
 // The tiling is computed here by compute_rope_tiling (rope_tiling.h), from the tensors' sizes and
 // strides, the unified-buffer size and the vector core count given by the caller at run time;
-// backends/ascend_backend/tiling.py mirrors it (tests check both agree). The struct goes to the
-// device through torch (ordered by torch_npu's task queue; cached per struct, device and stream)
-// and the kernel launch itself
-// is enqueued with at_npu::native::OpCommand's custom handler, so it runs after every torch op
-// issued before it on the current stream and before every op issued after it.
+// backends/ascend_backend/tiling.py mirrors it and _kernel_call.py mirrors fill_*_inputs (tests
+// check the Python side against the header). The struct goes to the device through torch
+// (ordered by torch_npu's task queue; cached per struct, device and stream) and the kernel launch
+// itself is enqueued with at_npu::native::OpCommand's custom handler, so it runs after every torch
+// op issued before it on the current stream and before every op issued after it.
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -39,9 +42,34 @@ ROPE_DECLARE_LAUNCH(rope_ops_rotary_embedding_grad_fp32)
 ROPE_DECLARE_LAUNCH(rope_ops_rotary_embedding_grad_fp16)
 ROPE_DECLARE_LAUNCH(rope_ops_rotary_embedding_grad_bf16)
 
+#define ROPE_DECLARE_PROLOGUE_LAUNCH(NAME)                                                           \
+    extern "C" uint32_t aclrtlaunch_##NAME(uint32_t blockDim, void* stream, void* q, void* k, void* v, \
+                                           void* qOut, void* kOut, void* vOut, void* pos, void* cos,  \
+                                           void* sin, void* freq, void* qWeight, void* kWeight,       \
+                                           void* kCache, void* vCache, void* slots, void* tiling);
+ROPE_DECLARE_PROLOGUE_LAUNCH(rope_ops_qkv_prologue_fp32)
+ROPE_DECLARE_PROLOGUE_LAUNCH(rope_ops_qkv_prologue_fp16)
+ROPE_DECLARE_PROLOGUE_LAUNCH(rope_ops_qkv_prologue_bf16)
+
+#define ROPE_DECLARE_PROLOGUE_GRAD_LAUNCH(NAME)                                                      \
+    extern "C" uint32_t aclrtlaunch_##NAME(uint32_t blockDim, void* stream, void* gradQ, void* gradK,  \
+                                           void* gradV, void* xq, void* xk, void* dq, void* dk,       \
+                                           void* dv, void* pos, void* cos, void* sin, void* freq,     \
+                                           void* qWeight, void* kWeight, void* dqWeight,              \
+                                           void* dkWeight, void* tiling);
+ROPE_DECLARE_PROLOGUE_GRAD_LAUNCH(rope_ops_qkv_prologue_grad_fp32)
+ROPE_DECLARE_PROLOGUE_GRAD_LAUNCH(rope_ops_qkv_prologue_grad_fp16)
+ROPE_DECLARE_PROLOGUE_GRAD_LAUNCH(rope_ops_qkv_prologue_grad_bf16)
+
 namespace {
 
+using OptTensor = c10::optional<at::Tensor>;
+
 using LaunchFn = uint32_t (*)(uint32_t, void*, void*, void*, void*, void*, void*, void*, void*, void*, void*);
+using PrologueLaunchFn = uint32_t (*)(uint32_t, void*, void*, void*, void*, void*, void*, void*, void*, void*,
+                                      void*, void*, void*, void*, void*, void*, void*, void*);
+using PrologueGradLaunchFn = uint32_t (*)(uint32_t, void*, void*, void*, void*, void*, void*, void*, void*, void*,
+                                          void*, void*, void*, void*, void*, void*, void*, void*, void*);
 
 LaunchFn pick_launcher(at::ScalarType dtype, bool inverse) {
     switch (dtype) {
@@ -53,6 +81,24 @@ LaunchFn pick_launcher(at::ScalarType dtype, bool inverse) {
             return inverse ? aclrtlaunch_rope_ops_rotary_embedding_grad_bf16 : aclrtlaunch_rope_ops_rotary_embedding_bf16;
         default:
             TORCH_CHECK(false, "rope_ops_ascend: dtype ", dtype, " not supported (float32, float16, bfloat16)");
+    }
+}
+
+PrologueLaunchFn pick_prologue_launcher(at::ScalarType dtype) {
+    switch (dtype) {
+        case at::kFloat: return aclrtlaunch_rope_ops_qkv_prologue_fp32;
+        case at::kHalf: return aclrtlaunch_rope_ops_qkv_prologue_fp16;
+        case at::kBFloat16: return aclrtlaunch_rope_ops_qkv_prologue_bf16;
+        default: TORCH_CHECK(false, "rope_ops_ascend: dtype ", dtype, " not supported (float32, float16, bfloat16)");
+    }
+}
+
+PrologueGradLaunchFn pick_prologue_grad_launcher(at::ScalarType dtype) {
+    switch (dtype) {
+        case at::kFloat: return aclrtlaunch_rope_ops_qkv_prologue_grad_fp32;
+        case at::kHalf: return aclrtlaunch_rope_ops_qkv_prologue_grad_fp16;
+        case at::kBFloat16: return aclrtlaunch_rope_ops_qkv_prologue_grad_bf16;
+        default: TORCH_CHECK(false, "rope_ops_ascend: dtype ", dtype, " not supported (float32, float16, bfloat16)");
     }
 }
 
@@ -76,27 +122,139 @@ at::Tensor device_tiling(const RopeTiling& t, const at::Device& device) {
     return dev;
 }
 
-void* ptr_or_null(const c10::optional<at::Tensor>& t) {
-    return t.has_value() && t->defined() ? t->data_ptr() : nullptr;
+bool given(const OptTensor& t) { return t.has_value() && t->defined(); }
+
+void* ptr_or_null(const OptTensor& t) { return given(t) ? t->data_ptr() : nullptr; }
+
+int32_t float_bits(double value) {
+    float f = static_cast<float>(value);
+    int32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    return bits;
 }
 
-void check_view(const at::Tensor& t, const char* name, const at::Tensor& q, int64_t heads_dim_must_match) {
-    TORCH_CHECK(t.dim() == 4, "rope_ops_ascend: ", name, " must be a [B, S, H, D] view, got ", t.dim(), "-D");
-    TORCH_CHECK(t.scalar_type() == q.scalar_type(), "rope_ops_ascend: ", name, " dtype differs from q");
-    TORCH_CHECK(t.size(0) == q.size(0) && t.size(1) == q.size(1) && t.size(3) == q.size(3),
-                "rope_ops_ascend: ", name, " [B, S, -, D] differs from q");
-    if (heads_dim_must_match >= 0) TORCH_CHECK(t.size(2) == heads_dim_must_match, "rope_ops_ascend: ", name, " heads");
-    TORCH_CHECK(t.stride(3) == 1, "rope_ops_ascend: ", name, " needs stride 1 on head_dim");
+void strides3(const OptTensor& t, int64_t& b, int64_t& s, int64_t& h) {
+    b = s = h = 0;
+    if (!given(t)) return;
+    b = t->stride(0);
+    s = t->stride(1);
+    h = t->stride(2);
 }
+
+void check_view(const at::Tensor& t, const char* name, const at::Tensor& like, int64_t heads_dim_must_match) {
+    TORCH_CHECK(t.dim() == 4, "rope_ops_ascend: ", name, " must be a [B, S, H, D] view, got ", t.dim(), "-D");
+    TORCH_CHECK(t.scalar_type() == like.scalar_type(), "rope_ops_ascend: ", name, " dtype differs");
+    TORCH_CHECK(t.size(0) == like.size(0) && t.size(1) == like.size(1) && t.size(3) == like.size(3),
+                "rope_ops_ascend: ", name, " [B, S, -, D] differs");
+    if (heads_dim_must_match >= 0) TORCH_CHECK(t.size(2) == heads_dim_must_match, "rope_ops_ascend: ", name, " heads");
+    TORCH_CHECK(t.size(3) <= 1 || t.stride(3) == 1, "rope_ops_ascend: ", name, " needs stride 1 on head_dim");
+}
+
+int64_t angle_kind(c10::string_view angles) {
+    if (angles == "token") return ROPE_ANGLES_TOKEN;
+    if (angles == "mrope") return ROPE_ANGLES_MROPE;
+    TORCH_CHECK(angles == "table", "rope_ops_ascend: angles must be table, token or mrope");
+    return ROPE_ANGLES_TABLE;
+}
+
+int64_t table_dtype(at::ScalarType dtype) {
+    switch (dtype) {
+        case at::kFloat: return ROPE_TABLE_FP32;
+        case at::kHalf: return ROPE_TABLE_FP16;
+        case at::kBFloat16: return ROPE_TABLE_BF16;
+        default: TORCH_CHECK(false, "rope_ops_ascend: cos/sin tables must be float32, float16 or bfloat16");
+    }
+}
+
+// The cos/sin stage's fields, exactly as _kernel_call.py:angle_params.
+void fill_angle_inputs(RopeTiling& t, const OptTensor& pos, int64_t pos_offset, const at::Tensor& cos,
+                       const at::Tensor& sin, const OptTensor& freq, double attention_factor, c10::string_view angles,
+                       at::IntArrayRef mrope_section, bool mrope_interleaved) {
+    t.angleKind = angle_kind(angles);
+    t.tableDtype = table_dtype(cos.scalar_type());
+    t.hasFreq = given(freq);
+    t.attnFactorBits = float_bits(attention_factor);
+    if (mrope_section.size() == 3) {
+        t.mropeT = mrope_section[0];
+        t.mropeH = mrope_section[1];
+        t.mropeW = mrope_section[2];
+    }
+    t.mropeInterleaved = mrope_interleaved;
+    if (given(pos)) {
+        t.posMode = pos->scalar_type() == at::kLong ? ROPE_POS_INT64 : ROPE_POS_INT32;
+        bool axes = pos->dim() == 3;
+        t.posStrideA = axes ? pos->stride(0) : 0;
+        t.posStrideB = pos->stride(axes ? 1 : 0);
+        t.posStrideS = pos->stride(axes ? 2 : 1);
+        t.posOffset = 0;
+    } else {
+        t.posMode = ROPE_POS_OFFSET;
+        t.posOffset = pos_offset;
+    }
+    if (t.angleKind == ROPE_ANGLES_TOKEN) {
+        t.tableRows = 0;
+        t.cosStrideB = cos.stride(0);
+        t.cosStrideR = cos.stride(1);
+        t.sinStrideB = sin.stride(0);
+        t.sinStrideR = sin.stride(1);
+    } else {
+        t.tableRows = cos.size(0);
+        t.cosStrideR = cos.stride(0);
+        t.sinStrideR = sin.stride(0);
+    }
+}
+
+// What the cos/sin stage reads, for tokens [B, S].
+void check_angles(int64_t batch, int64_t seq, const OptTensor& pos, const at::Tensor& cos, const at::Tensor& sin,
+                  const OptTensor& freq, c10::string_view angles, at::IntArrayRef mrope_section,
+                  int64_t rotary_dim) {
+    int64_t kind = angle_kind(angles);
+    table_dtype(cos.scalar_type());
+    TORCH_CHECK(sin.scalar_type() == cos.scalar_type(), "rope_ops_ascend: cos and sin differ in dtype");
+    int64_t dims = kind == ROPE_ANGLES_TOKEN ? 3 : 2;
+    for (const at::Tensor* t : {&cos, &sin}) {
+        TORCH_CHECK(t->dim() == dims && t->size(dims - 1) == rotary_dim / 2 &&
+                        (t->size(dims - 1) <= 1 || t->stride(dims - 1) == 1),
+                    "rope_ops_ascend: cos/sin must be [P, rotary_dim/2] tables (per token: [B, S, rotary_dim/2]) "
+                    "with stride 1 along frequencies");
+    }
+    TORCH_CHECK(sin.size(0) == cos.size(0), "rope_ops_ascend: cos and sin rows differ");
+    if (kind == ROPE_ANGLES_TOKEN) {
+        TORCH_CHECK(cos.size(0) == batch && cos.size(1) == seq && sin.size(1) == seq,
+                    "rope_ops_ascend: per-token cos/sin must be [B, S, rotary_dim/2]");
+        TORCH_CHECK(!given(pos), "rope_ops_ascend: per-token cos/sin take no positions");
+    }
+    if (kind == ROPE_ANGLES_MROPE) {
+        TORCH_CHECK(mrope_section.size() == 3 &&
+                        mrope_section[0] + mrope_section[1] + mrope_section[2] == rotary_dim / 2,
+                    "rope_ops_ascend: mrope_section must be three counts summing to rotary_dim/2");
+        TORCH_CHECK(given(pos) && pos->dim() == 3 && pos->size(0) == 3 && pos->size(1) == batch &&
+                        pos->size(2) == seq,
+                    "rope_ops_ascend: mRoPE positions must be a [3, B, S] view");
+    } else if (given(pos)) {
+        TORCH_CHECK(pos->dim() == 2 && pos->size(0) == batch && pos->size(1) == seq,
+                    "rope_ops_ascend: pos must be a [B, S] view");
+    }
+    if (given(pos))
+        TORCH_CHECK(pos->scalar_type() == at::kInt || pos->scalar_type() == at::kLong, "rope_ops_ascend: pos int32/int64");
+    if (given(freq)) {
+        TORCH_CHECK(freq->scalar_type() == at::kLong && freq->is_contiguous() && freq->numel() == rotary_dim / 2,
+                    "rope_ops_ascend: freq_turns must be contiguous int64 [rotary_dim/2]");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RotaryEmbedding(Grad).
 
 // The tiling's input fields, exactly as backends/ascend_backend/_kernel_call.py:tiling_params.
-RopeTiling fill_tiling_inputs(const at::Tensor& q, const c10::optional<at::Tensor>& k, const at::Tensor& q_out,
-                              const c10::optional<at::Tensor>& k_out, const c10::optional<at::Tensor>& pos,
-                              int64_t pos_offset, const at::Tensor& cos, const c10::optional<at::Tensor>& freq,
-                              double attention_factor, int64_t rotary_dim, bool interleaved, bool inplace,
-                              bool inverse) {
+RopeTiling fill_tiling_inputs(const at::Tensor& q, const OptTensor& k, const at::Tensor& q_out, const OptTensor& k_out,
+                              const OptTensor& pos, int64_t pos_offset, const at::Tensor& cos, const at::Tensor& sin,
+                              const OptTensor& freq, double attention_factor, c10::string_view angles,
+                              at::IntArrayRef mrope_section, bool mrope_interleaved, int64_t rotary_dim,
+                              bool interleaved, bool inplace, bool inverse) {
     RopeTiling t;
     std::memset(&t, 0, sizeof(t));
+    t.op = ROPE_OP_ROTATE;
     t.batch = q.size(0);
     t.seq = q.size(1);
     t.qHeads = q.size(2);
@@ -106,143 +264,325 @@ RopeTiling fill_tiling_inputs(const at::Tensor& q, const c10::optional<at::Tenso
     t.interleaved = interleaved;
     t.inverse = inverse;
     t.inplace = inplace;
-    t.qStrideB = q.stride(0); t.qStrideS = q.stride(1); t.qStrideH = q.stride(2);
-    t.qoStrideB = q_out.stride(0); t.qoStrideS = q_out.stride(1); t.qoStrideH = q_out.stride(2);
-    bool has_k = k.has_value() && k->defined();
-    t.kHeads = has_k ? k->size(2) : 0;
-    if (has_k) {
-        t.kStrideB = k->stride(0); t.kStrideS = k->stride(1); t.kStrideH = k->stride(2);
-        t.koStrideB = k_out->stride(0); t.koStrideS = k_out->stride(1); t.koStrideH = k_out->stride(2);
-    }
-    if (pos.has_value() && pos->defined()) {
-        t.posMode = pos->scalar_type() == at::kLong ? ROPE_POS_INT64 : ROPE_POS_INT32;
-        t.posStrideB = pos->stride(0);
-        t.posStrideS = pos->stride(1);
-        t.posOffset = 0;
-    } else {
-        t.posMode = ROPE_POS_OFFSET;
-        t.posOffset = pos_offset;
-    }
-    t.tableRows = cos.size(0);
-    t.hasFreq = freq.has_value() && freq->defined();
-    float m = static_cast<float>(attention_factor);
-    int32_t bits;
-    std::memcpy(&bits, &m, sizeof(bits));
-    t.attnFactorBits = bits;
+    t.rotate = 1;
+    strides3(q, t.qStrideB, t.qStrideS, t.qStrideH);
+    strides3(q_out, t.qoStrideB, t.qoStrideS, t.qoStrideH);
+    t.kHeads = given(k) ? k->size(2) : 0;
+    strides3(k, t.kStrideB, t.kStrideS, t.kStrideH);
+    strides3(k_out, t.koStrideB, t.koStrideS, t.koStrideH);
+    fill_angle_inputs(t, pos, pos_offset, cos, sin, freq, attention_factor, angles, mrope_section, mrope_interleaved);
     return t;
 }
 
-void check_args(const at::Tensor& q, const c10::optional<at::Tensor>& k, const at::Tensor& q_out,
-                const c10::optional<at::Tensor>& k_out, const c10::optional<at::Tensor>& pos, const at::Tensor& cos,
-                const at::Tensor& sin, const c10::optional<at::Tensor>& freq, int64_t rotary_dim) {
+void check_args(const at::Tensor& q, const OptTensor& k, const at::Tensor& q_out, const OptTensor& k_out,
+                const OptTensor& pos, const at::Tensor& cos, const at::Tensor& sin, const OptTensor& freq,
+                c10::string_view angles, at::IntArrayRef mrope_section, int64_t rotary_dim) {
     check_view(q, "q", q, -1);
     check_view(q_out, "q_out", q, q.size(2));
-    bool has_k = k.has_value() && k->defined();
-    TORCH_CHECK(has_k == (k_out.has_value() && k_out->defined()), "rope_ops_ascend: k and k_out go together");
-    if (has_k) {
+    TORCH_CHECK(given(k) == given(k_out), "rope_ops_ascend: k and k_out go together");
+    if (given(k)) {
         check_view(*k, "k", q, -1);
         check_view(*k_out, "k_out", q, k->size(2));
     }
-    if (pos.has_value() && pos->defined()) {
-        TORCH_CHECK(pos->dim() == 2 && pos->size(0) == q.size(0) && pos->size(1) == q.size(1),
-                    "rope_ops_ascend: pos must be a [B, S] view");
-        TORCH_CHECK(pos->scalar_type() == at::kInt || pos->scalar_type() == at::kLong, "rope_ops_ascend: pos int32/int64");
-    }
-    for (const at::Tensor* t : {&cos, &sin}) {
-        TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
-                        t->size(1) == rotary_dim / 2,
-                    "rope_ops_ascend: cos/sin must be contiguous float32 [P, rotary_dim/2]");
-    }
-    TORCH_CHECK(sin.size(0) == cos.size(0), "rope_ops_ascend: cos and sin rows differ");
-    if (freq.has_value() && freq->defined()) {
-        TORCH_CHECK(freq->scalar_type() == at::kLong && freq->is_contiguous() && freq->numel() == rotary_dim / 2,
-                    "rope_ops_ascend: freq_turns must be contiguous int64 [rotary_dim/2]");
-    }
+    check_angles(q.size(0), q.size(1), pos, cos, sin, freq, angles, mrope_section, rotary_dim);
 }
 
-void rope_npu(const at::Tensor& q, const c10::optional<at::Tensor>& k, const at::Tensor& q_out,
-              const c10::optional<at::Tensor>& k_out, const c10::optional<at::Tensor>& pos, int64_t pos_offset,
-              const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& freq,
-              double attention_factor, int64_t rotary_dim, bool interleaved, bool inplace, int64_t ub_size,
-              int64_t core_num, bool inverse) {
-    check_args(q, k, q_out, k_out, pos, cos, sin, freq, rotary_dim);
-    const c10::OptionalDeviceGuard guard(at::device_of(q));
-    RopeTiling t = fill_tiling_inputs(q, k, q_out, k_out, pos, pos_offset, cos, freq, attention_factor, rotary_dim,
-                                      interleaved, inplace, inverse);
-    int status = compute_rope_tiling(&t, ub_size, core_num);
-    TORCH_CHECK(status == ROPE_TILING_OK, "rope_ops_ascend: no tiling for this call (status ", status,
-                "; see rope_tiling.h)");
-    if (t.blockDim == 0) return;  // no tokens
-
-    at::Tensor tiling_dev = device_tiling(t, q.device());
-
-    LaunchFn launch = pick_launcher(q.scalar_type(), inverse);
+// One launch: the tiling computed here, the struct on the device, the kernel enqueued in order
+// with torch_npu's queue (OpCommand custom handler; the launch lambda runs later, on torch_npu's
+// dequeue thread, so it captures by value, the tiling tensor too, to keep its memory alive).
+template <typename Launch>
+void enqueue(const char* name, const RopeTiling& t, const at::Device& device, Launch launch) {
+    at::Tensor tiling_dev = device_tiling(t, device);
     void* stream = c10_npu::getCurrentNPUStream().stream(false);
     uint32_t block_dim = static_cast<uint32_t>(t.blockDim);
-    void* a_q = q.data_ptr();
-    void* a_k = ptr_or_null(k);
-    void* a_qo = q_out.data_ptr();
-    void* a_ko = ptr_or_null(k_out);
-    void* a_pos = ptr_or_null(pos);
-    void* a_cos = cos.data_ptr();
-    void* a_sin = sin.data_ptr();
-    void* a_freq = ptr_or_null(freq);
     void* a_tiling = tiling_dev.data_ptr();
     at_npu::native::OpCommand cmd;
-    cmd.Name(inverse ? "RopeOpsRotaryEmbeddingGrad" : "RopeOpsRotaryEmbedding");
-    // Runs later, on torch_npu's dequeue thread: capture by value (the tiling tensor too, to keep
-    // its memory alive until the launch has been issued).
+    cmd.Name(name);
     cmd.SetCustomHandler([=]() -> int {
         (void)tiling_dev;
-        return static_cast<int>(launch(block_dim, stream, a_q, a_k, a_qo, a_ko, a_pos, a_cos, a_sin, a_freq, a_tiling));
+        return static_cast<int>(launch(block_dim, stream, a_tiling));
     });
     cmd.Run();
 }
 
-void rotary_embedding_npu(const at::Tensor& q, const c10::optional<at::Tensor>& k, const at::Tensor& q_out,
-                          const c10::optional<at::Tensor>& k_out, const c10::optional<at::Tensor>& pos,
-                          int64_t pos_offset, const at::Tensor& cos, const at::Tensor& sin,
-                          const c10::optional<at::Tensor>& freq, double attention_factor, int64_t rotary_dim,
-                          bool interleaved, bool inplace, int64_t ub_size, int64_t core_num) {
-    rope_npu(q, k, q_out, k_out, pos, pos_offset, cos, sin, freq, attention_factor, rotary_dim, interleaved, inplace,
-             ub_size, core_num, false);
+void tile_or_fail(RopeTiling& t, int64_t ub_size, int64_t core_num) {
+    int status = compute_rope_tiling(&t, ub_size, core_num);
+    TORCH_CHECK(status == ROPE_TILING_OK, "rope_ops_ascend: no tiling for this call (status ", status,
+                "; see rope_tiling.h)");
 }
 
-void rotary_embedding_grad_npu(const at::Tensor& q, const c10::optional<at::Tensor>& k, const at::Tensor& q_out,
-                               const c10::optional<at::Tensor>& k_out, const c10::optional<at::Tensor>& pos,
-                               int64_t pos_offset, const at::Tensor& cos, const at::Tensor& sin,
-                               const c10::optional<at::Tensor>& freq, double attention_factor, int64_t rotary_dim,
-                               bool interleaved, bool inplace, int64_t ub_size, int64_t core_num) {
-    rope_npu(q, k, q_out, k_out, pos, pos_offset, cos, sin, freq, attention_factor, rotary_dim, interleaved, inplace,
-             ub_size, core_num, true);
+void rope_npu(const at::Tensor& q, const OptTensor& k, const at::Tensor& q_out, const OptTensor& k_out,
+              const OptTensor& pos, int64_t pos_offset, const at::Tensor& cos, const at::Tensor& sin,
+              const OptTensor& freq, double attention_factor, c10::string_view angles, at::IntArrayRef mrope_section,
+              bool mrope_interleaved, int64_t rotary_dim, bool interleaved, bool inplace, int64_t ub_size,
+              int64_t core_num, bool inverse) {
+    check_args(q, k, q_out, k_out, pos, cos, sin, freq, angles, mrope_section, rotary_dim);
+    const c10::OptionalDeviceGuard guard(at::device_of(q));
+    RopeTiling t = fill_tiling_inputs(q, k, q_out, k_out, pos, pos_offset, cos, sin, freq, attention_factor, angles,
+                                      mrope_section, mrope_interleaved, rotary_dim, interleaved, inplace, inverse);
+    tile_or_fail(t, ub_size, core_num);
+    if (t.blockDim == 0) return;  // no tokens
+    LaunchFn launch = pick_launcher(q.scalar_type(), inverse);
+    void* a[8] = {q.data_ptr(), ptr_or_null(k), q_out.data_ptr(), ptr_or_null(k_out), ptr_or_null(pos),
+                  cos.data_ptr(), sin.data_ptr(), ptr_or_null(freq)};
+    enqueue(inverse ? "RopeOpsRotaryEmbeddingGrad" : "RopeOpsRotaryEmbedding", t, q.device(),
+            [=](uint32_t block_dim, void* stream, void* tiling) {
+                return launch(block_dim, stream, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], tiling);
+            });
+}
+
+#define ROPE_ARGS_DECL                                                                                   \
+    const at::Tensor &q, const OptTensor &k, const at::Tensor &q_out, const OptTensor &k_out,            \
+        const OptTensor &pos, int64_t pos_offset, const at::Tensor &cos, const at::Tensor &sin,          \
+        const OptTensor &freq, double attention_factor, c10::string_view angles,                         \
+        at::IntArrayRef mrope_section, bool mrope_interleaved, int64_t rotary_dim, bool interleaved,     \
+        bool inplace, int64_t ub_size, int64_t core_num
+
+void rotary_embedding_npu(ROPE_ARGS_DECL) {
+    rope_npu(q, k, q_out, k_out, pos, pos_offset, cos, sin, freq, attention_factor, angles, mrope_section,
+             mrope_interleaved, rotary_dim, interleaved, inplace, ub_size, core_num, false);
+}
+
+void rotary_embedding_grad_npu(ROPE_ARGS_DECL) {
+    rope_npu(q, k, q_out, k_out, pos, pos_offset, cos, sin, freq, attention_factor, angles, mrope_section,
+             mrope_interleaved, rotary_dim, interleaved, inplace, ub_size, core_num, true);
 }
 
 // Meta: the ops only write into their outputs; check what can be checked without data.
-void rotary_embedding_meta(const at::Tensor& q, const c10::optional<at::Tensor>& k, const at::Tensor& q_out,
-                           const c10::optional<at::Tensor>& k_out, const c10::optional<at::Tensor>& pos, int64_t,
-                           const at::Tensor& cos, const at::Tensor& sin, const c10::optional<at::Tensor>& freq,
-                           double, int64_t rotary_dim, bool, bool, int64_t, int64_t) {
-    check_args(q, k, q_out, k_out, pos, cos, sin, freq, rotary_dim);
+void rotary_embedding_meta(ROPE_ARGS_DECL) {
+    (void)pos_offset; (void)attention_factor; (void)mrope_interleaved; (void)interleaved; (void)inplace;
+    (void)ub_size; (void)core_num;
+    check_args(q, k, q_out, k_out, pos, cos, sin, freq, angles, mrope_section, rotary_dim);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fused prologue. Forward: q, k, v are the heads of qkv, q_out/k_out/v_out the outputs
+// (q_out, k_out the heads themselves and v_out none in place). Backward: q, k, v are the output
+// gradients (none: zero), q_out/k_out/v_out the heads of grad_qkv, xq/xk the forward's input
+// heads (given with a norm weight).
+
+// The tiling's input fields, exactly as _kernel_call.py:prologue_tiling_params.
+RopeTiling fill_prologue_inputs(bool grad, const OptTensor& q, const OptTensor& k, const OptTensor& v,
+                                const at::Tensor& q_out, const at::Tensor& k_out, const OptTensor& v_out,
+                                const OptTensor& xq, const OptTensor& xk, int64_t rotary_dim, bool interleaved,
+                                bool rotate, const OptTensor& q_weight, const OptTensor& k_weight, double eps,
+                                double weight_offset, bool inplace, const OptTensor& k_cache,
+                                const OptTensor& v_cache, const OptTensor& slots) {
+    RopeTiling t;
+    std::memset(&t, 0, sizeof(t));
+    t.op = grad ? ROPE_OP_PROLOGUE_GRAD : ROPE_OP_PROLOGUE;
+    t.batch = q_out.size(0);
+    t.seq = q_out.size(1);
+    t.qHeads = q_out.size(2);
+    t.kHeads = k_out.size(2);
+    t.headDim = q_out.size(3);
+    t.rotaryDim = rotary_dim;
+    t.elemSize = q_out.element_size();
+    t.interleaved = interleaved;
+    t.inverse = grad;
+    t.inplace = inplace;
+    t.rotate = rotate;
+    t.hasQWeight = given(q_weight);
+    t.hasKWeight = given(k_weight);
+    t.epsBits = float_bits(eps);
+    t.weightOffsetBits = float_bits(weight_offset);
+    t.hasGradQ = grad && given(q);
+    t.hasGradK = grad && given(k);
+    t.hasGradV = grad && given(v);
+    t.hasCache = given(k_cache);
+    strides3(q, t.qStrideB, t.qStrideS, t.qStrideH);
+    strides3(k, t.kStrideB, t.kStrideS, t.kStrideH);
+    strides3(v, t.vStrideB, t.vStrideS, t.vStrideH);
+    strides3(q_out, t.qoStrideB, t.qoStrideS, t.qoStrideH);
+    strides3(k_out, t.koStrideB, t.koStrideS, t.koStrideH);
+    strides3(v_out, t.voStrideB, t.voStrideS, t.voStrideH);
+    strides3(xq, t.xqStrideB, t.xqStrideS, t.xqStrideH);
+    strides3(xk, t.xkStrideB, t.xkStrideS, t.xkStrideH);
+    if (given(k_cache)) {
+        t.numSlots = k_cache->size(0);
+        t.kcStrideS = k_cache->stride(0);
+        t.kcStrideH = k_cache->stride(1);
+        t.vcStrideS = v_cache->stride(0);
+        t.vcStrideH = v_cache->stride(1);
+        t.slotMode = slots->scalar_type() == at::kLong ? ROPE_POS_INT64 : ROPE_POS_INT32;
+        t.slotStrideB = slots->stride(0);
+        t.slotStrideS = slots->stride(1);
+    }
+    return t;
+}
+
+void check_prologue(bool grad, const OptTensor& q, const OptTensor& k, const OptTensor& v, const at::Tensor& q_out,
+                    const at::Tensor& k_out, const OptTensor& v_out, const OptTensor& xq, const OptTensor& xk,
+                    const OptTensor& q_weight, const OptTensor& k_weight, bool inplace, const OptTensor& k_cache,
+                    const OptTensor& v_cache, const OptTensor& slots) {
+    check_view(q_out, "q_out", q_out, -1);
+    check_view(k_out, "k_out", q_out, -1);
+    int64_t hk = k_out.size(2);
+    if (given(v_out)) check_view(*v_out, "v_out", q_out, hk);
+    TORCH_CHECK(grad || given(v_out) != inplace, "rope_ops_ascend: v_out is given exactly when not in place");
+    TORCH_CHECK(!grad || given(v_out), "rope_ops_ascend: the backward writes the v heads of grad_qkv");
+    TORCH_CHECK(grad || (given(q) && given(k) && given(v)), "rope_ops_ascend: the forward reads q, k, v");
+    if (given(q)) check_view(*q, "q", q_out, q_out.size(2));
+    if (given(k)) check_view(*k, "k", q_out, hk);
+    if (given(v)) check_view(*v, "v", q_out, hk);
+    for (const OptTensor* w : {&q_weight, &k_weight}) {
+        if (given(*w))
+            TORCH_CHECK((*w)->scalar_type() == at::kFloat && (*w)->is_contiguous() && (*w)->numel() == q_out.size(3),
+                        "rope_ops_ascend: norm weights must be contiguous float32 [head_dim]");
+    }
+    if (grad && (given(q_weight) || given(k_weight))) {
+        TORCH_CHECK(given(xq) && given(xk), "rope_ops_ascend: the backward of a norm needs the forward's input");
+        check_view(*xq, "xq", q_out, q_out.size(2));
+        check_view(*xk, "xk", q_out, hk);
+    }
+    TORCH_CHECK(given(k_cache) == given(v_cache) && given(k_cache) == given(slots),
+                "rope_ops_ascend: k_cache, v_cache and slots go together");
+    if (given(k_cache)) {
+        for (const OptTensor* c : {&k_cache, &v_cache}) {
+            TORCH_CHECK((*c)->dim() == 3 && (*c)->size(0) == k_cache->size(0) && (*c)->size(1) == hk &&
+                            (*c)->size(2) == q_out.size(3) && (*c)->scalar_type() == q_out.scalar_type() &&
+                            ((*c)->size(2) <= 1 || (*c)->stride(2) == 1),
+                        "rope_ops_ascend: caches must be [num_slots, Hk, D] of qkv's dtype, stride 1 on D");
+        }
+        TORCH_CHECK(slots->dim() == 2 && slots->size(0) == q_out.size(0) && slots->size(1) == q_out.size(1) &&
+                        (slots->scalar_type() == at::kInt || slots->scalar_type() == at::kLong),
+                    "rope_ops_ascend: slots must be an int32/int64 [B, S] view");
+    }
+}
+
+#define ROPE_ANGLE_ARGS_DECL                                                                            \
+    const OptTensor &pos, int64_t pos_offset, const at::Tensor &cos, const at::Tensor &sin,              \
+        const OptTensor &freq, double attention_factor, c10::string_view angles,                         \
+        at::IntArrayRef mrope_section, bool mrope_interleaved
+
+#define ROPE_PROLOGUE_ARGS_DECL                                                                          \
+    const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &q_out,              \
+        const at::Tensor &k_out, const OptTensor &v_out, ROPE_ANGLE_ARGS_DECL, int64_t rotary_dim,       \
+        bool interleaved, bool rotate, const OptTensor &q_weight, const OptTensor &k_weight, double eps, \
+        double weight_offset, bool inplace, const OptTensor &k_cache, const OptTensor &v_cache,          \
+        const OptTensor &slots, int64_t ub_size, int64_t core_num
+
+#define ROPE_PROLOGUE_GRAD_ARGS_DECL                                                                     \
+    const OptTensor &grad_q, const OptTensor &grad_k, const OptTensor &grad_v, const OptTensor &xq,      \
+        const OptTensor &xk, const at::Tensor &dq, const at::Tensor &dk, const at::Tensor &dv,           \
+        ROPE_ANGLE_ARGS_DECL, int64_t rotary_dim, bool interleaved, bool rotate,                         \
+        const OptTensor &q_weight, const OptTensor &k_weight, double eps, double weight_offset,          \
+        const OptTensor &q_weight_sums, const OptTensor &k_weight_sums, int64_t ub_size, int64_t core_num
+
+void check_prologue_forward(ROPE_PROLOGUE_ARGS_DECL) {
+    (void)pos_offset; (void)attention_factor; (void)mrope_interleaved; (void)interleaved; (void)eps;
+    (void)weight_offset; (void)ub_size; (void)core_num;
+    check_prologue(false, q, k, v, q_out, k_out, v_out, c10::nullopt, c10::nullopt, q_weight, k_weight, inplace,
+                   k_cache, v_cache, slots);
+    if (rotate) check_angles(q.size(0), q.size(1), pos, cos, sin, freq, angles, mrope_section, rotary_dim);
+}
+
+void qkv_prologue_npu(ROPE_PROLOGUE_ARGS_DECL) {
+    check_prologue_forward(q, k, v, q_out, k_out, v_out, pos, pos_offset, cos, sin, freq, attention_factor, angles,
+                           mrope_section, mrope_interleaved, rotary_dim, interleaved, rotate, q_weight, k_weight, eps,
+                           weight_offset, inplace, k_cache, v_cache, slots, ub_size, core_num);
+    const c10::OptionalDeviceGuard guard(at::device_of(q));
+    RopeTiling t = fill_prologue_inputs(false, q, k, v, q_out, k_out, v_out, c10::nullopt, c10::nullopt, rotary_dim,
+                                        interleaved, rotate, q_weight, k_weight, eps, weight_offset, inplace, k_cache,
+                                        v_cache, slots);
+    fill_angle_inputs(t, pos, pos_offset, cos, sin, freq, attention_factor, angles, mrope_section, mrope_interleaved);
+    tile_or_fail(t, ub_size, core_num);
+    if (t.blockDim == 0) return;
+    PrologueLaunchFn launch = pick_prologue_launcher(q.scalar_type());
+    void* a[15] = {q.data_ptr(), k.data_ptr(), v.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), ptr_or_null(v_out),
+                   ptr_or_null(pos), cos.data_ptr(), sin.data_ptr(), ptr_or_null(freq), ptr_or_null(q_weight),
+                   ptr_or_null(k_weight), ptr_or_null(k_cache), ptr_or_null(v_cache), ptr_or_null(slots)};
+    enqueue("RopeOpsQkvPrologue", t, q.device(), [=](uint32_t block_dim, void* stream, void* tiling) {
+        return launch(block_dim, stream, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11],
+                      a[12], a[13], a[14], tiling);
+    });
+}
+
+void qkv_prologue_meta(ROPE_PROLOGUE_ARGS_DECL) {
+    check_prologue_forward(q, k, v, q_out, k_out, v_out, pos, pos_offset, cos, sin, freq, attention_factor, angles,
+                           mrope_section, mrope_interleaved, rotary_dim, interleaved, rotate, q_weight, k_weight, eps,
+                           weight_offset, inplace, k_cache, v_cache, slots, ub_size, core_num);
+}
+
+void check_prologue_backward(ROPE_PROLOGUE_GRAD_ARGS_DECL) {
+    (void)pos_offset; (void)attention_factor; (void)mrope_interleaved; (void)interleaved; (void)eps;
+    (void)weight_offset; (void)ub_size;
+    check_prologue(true, grad_q, grad_k, grad_v, dq, dk, dv, xq, xk, q_weight, k_weight, false, c10::nullopt,
+                   c10::nullopt, c10::nullopt);
+    for (const OptTensor* s : {&q_weight_sums, &k_weight_sums}) {
+        if (given(*s))
+            TORCH_CHECK((*s)->scalar_type() == at::kFloat && (*s)->is_contiguous() && (*s)->dim() == 2 &&
+                            (*s)->size(0) >= core_num && (*s)->size(1) == dq.size(3),
+                        "rope_ops_ascend: weight-gradient sums must be contiguous float32 [core_num, head_dim]");
+    }
+    TORCH_CHECK(given(q_weight) == given(q_weight_sums) && given(k_weight) == given(k_weight_sums),
+                "rope_ops_ascend: a norm weight and its gradient sums go together");
+    if (rotate) check_angles(dq.size(0), dq.size(1), pos, cos, sin, freq, angles, mrope_section, rotary_dim);
+}
+
+void qkv_prologue_grad_npu(ROPE_PROLOGUE_GRAD_ARGS_DECL) {
+    check_prologue_backward(grad_q, grad_k, grad_v, xq, xk, dq, dk, dv, pos, pos_offset, cos, sin, freq,
+                            attention_factor, angles, mrope_section, mrope_interleaved, rotary_dim, interleaved,
+                            rotate, q_weight, k_weight, eps, weight_offset, q_weight_sums, k_weight_sums, ub_size,
+                            core_num);
+    const c10::OptionalDeviceGuard guard(at::device_of(dq));
+    RopeTiling t = fill_prologue_inputs(true, grad_q, grad_k, grad_v, dq, dk, dv, xq, xk, rotary_dim, interleaved,
+                                        rotate, q_weight, k_weight, eps, weight_offset, false, c10::nullopt,
+                                        c10::nullopt, c10::nullopt);
+    fill_angle_inputs(t, pos, pos_offset, cos, sin, freq, attention_factor, angles, mrope_section, mrope_interleaved);
+    tile_or_fail(t, ub_size, core_num);
+    if (t.blockDim == 0) return;
+    PrologueGradLaunchFn launch = pick_prologue_grad_launcher(dq.scalar_type());
+    void* a[16] = {ptr_or_null(grad_q), ptr_or_null(grad_k), ptr_or_null(grad_v), ptr_or_null(xq), ptr_or_null(xk),
+                   dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), ptr_or_null(pos), cos.data_ptr(), sin.data_ptr(),
+                   ptr_or_null(freq), ptr_or_null(q_weight), ptr_or_null(k_weight), ptr_or_null(q_weight_sums),
+                   ptr_or_null(k_weight_sums)};
+    enqueue("RopeOpsQkvPrologueGrad", t, dq.device(), [=](uint32_t block_dim, void* stream, void* tiling) {
+        return launch(block_dim, stream, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11],
+                      a[12], a[13], a[14], a[15], tiling);
+    });
+}
+
+void qkv_prologue_grad_meta(ROPE_PROLOGUE_GRAD_ARGS_DECL) {
+    check_prologue_backward(grad_q, grad_k, grad_v, xq, xk, dq, dk, dv, pos, pos_offset, cos, sin, freq,
+                            attention_factor, angles, mrope_section, mrope_interleaved, rotary_dim, interleaved,
+                            rotate, q_weight, k_weight, eps, weight_offset, q_weight_sums, k_weight_sums, ub_size,
+                            core_num);
 }
 
 }  // namespace
 
+#define ROPE_ANGLE_SCHEMA                                                                              \
+    "Tensor? pos, int pos_offset, Tensor cos, Tensor sin, Tensor? freq_turns, float attention_factor, " \
+    "str angles, int[] mrope_section, bool mrope_interleaved"
+
 #define ROPE_SCHEMA(NAME)                                                                           \
-    NAME "(Tensor q, Tensor? k, Tensor(a!) q_out, Tensor(b!)? k_out, Tensor? pos, int pos_offset, " \
-         "Tensor cos, Tensor sin, Tensor? freq_turns, float attention_factor, int rotary_dim, "      \
-         "bool interleaved, bool inplace, int ub_size, int core_num) -> ()"
+    NAME "(Tensor q, Tensor? k, Tensor(a!) q_out, Tensor(b!)? k_out, " ROPE_ANGLE_SCHEMA ", "       \
+         "int rotary_dim, bool interleaved, bool inplace, int ub_size, int core_num) -> ()"
 
 TORCH_LIBRARY(rope_ops_ascend, m) {
     m.def(ROPE_SCHEMA("rotary_embedding"));
     m.def(ROPE_SCHEMA("rotary_embedding_grad"));
+    m.def("qkv_prologue(Tensor q, Tensor k, Tensor v, Tensor(a!) q_out, Tensor(b!) k_out, Tensor(c!)? v_out, "
+          ROPE_ANGLE_SCHEMA ", int rotary_dim, bool interleaved, bool rotate, Tensor? q_weight, "
+          "Tensor? k_weight, float eps, float weight_offset, bool inplace, Tensor(d!)? k_cache, "
+          "Tensor(e!)? v_cache, Tensor? slots, int ub_size, int core_num) -> ()");
+    m.def("qkv_prologue_grad(Tensor? grad_q, Tensor? grad_k, Tensor? grad_v, Tensor? xq, Tensor? xk, "
+          "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, " ROPE_ANGLE_SCHEMA ", int rotary_dim, "
+          "bool interleaved, bool rotate, Tensor? q_weight, Tensor? k_weight, float eps, float weight_offset, "
+          "Tensor(d!)? q_weight_sums, Tensor(e!)? k_weight_sums, int ub_size, int core_num) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(rope_ops_ascend, PrivateUse1, m) {
     m.impl("rotary_embedding", TORCH_FN(rotary_embedding_npu));
     m.impl("rotary_embedding_grad", TORCH_FN(rotary_embedding_grad_npu));
+    m.impl("qkv_prologue", TORCH_FN(qkv_prologue_npu));
+    m.impl("qkv_prologue_grad", TORCH_FN(qkv_prologue_grad_npu));
 }
 
 TORCH_LIBRARY_IMPL(rope_ops_ascend, Meta, m) {
     m.impl("rotary_embedding", TORCH_FN(rotary_embedding_meta));
     m.impl("rotary_embedding_grad", TORCH_FN(rotary_embedding_meta));
+    m.impl("qkv_prologue", TORCH_FN(qkv_prologue_meta));
+    m.impl("qkv_prologue_grad", TORCH_FN(qkv_prologue_grad_meta));
 }

@@ -1,10 +1,14 @@
-"""The shipped Ascend C kernels, run on the CPU against rope_ops._reference (no NPU needed).
+"""The shipped Ascend C rotation kernels, run on the CPU against rope_ops._reference (no NPU needed).
 
 ascend_kernels/kernels/*.cpp and rope_kernel.h are compiled unchanged with g++ against
 tests/ascend/cpu_sim/kernel_operator.h, a small emulation of the Ascend C APIs they use (GM/UB
 bounds and alignment checks, DataCopy/DataCopyPad semantics with 32-byte padding, queue state,
 Cast rounding; see that header for what it models and what it does not). Every core's block runs
 in turn with the tiling that backends/ascend_backend/tiling.py predicts for the host glue.
+Covered: the rotate stage (dtypes, styles, layouts, strides, partial rotary, in place, tiles, core
+splits, both copy paths) and the three cos/sin sources: tables by position (float32, float16 and
+bfloat16, row-strided: the two halves of one cos|sin cache), cos/sin per token, and mRoPE.
+The fused prologue's kernels: tests/test_ascend_prologue_sim.py.
 """
 
 from __future__ import annotations
@@ -178,14 +182,14 @@ def test_gqa_mqa_and_no_k(sim):
 def test_many_tiles_small_ub(sim):
     # A UB that holds 2 rows: every core walks several tiles, segments cross batch entries.
     t0 = tl.compute_tiling(_probe_params(D=64, es=2), 196608, 1)
-    ub = tl.UB_RESERVE + 2 * t0["rowBytes"]
+    ub = tl.UB_RESERVE + t0["fixedBytes"] + 2 * t0["rowBytes"]
     _, t = run_case(sim, D=64, dtype=torch.float16, B=3, S=9, ub=ub, cores=2, pos="int64")
     assert t["tileRows"] == 2 and t["formerRows"] > 2 * t["tileRows"]
 
 
 def _probe_params(D, es):
     return {"batch": 1, "seq": 1, "qHeads": 1, "kHeads": 0, "headDim": D, "rotaryDim": D, "elemSize": es,
-            "qStrideS": D, "qoStrideS": D}
+            "qStrideS": D, "qoStrideS": D, "rotate": 1}
 
 
 @pytest.mark.parametrize("cores", [1, 3, 5, 40])
@@ -321,56 +325,21 @@ def test_kernel_source_lint():
     """Static checks on the device code the emulator cannot make (it runs pipes in order)."""
     import re
 
-    src = (ROOT / "ascend_kernels" / "rope_kernel.h").read_text()
-    code = re.sub(r"//[^\n]*", "", src)
-    # Every SetFlag has its WaitFlag for the same event kind.
-    sets = re.findall(r"SetFlag<HardEvent::(\w+)>", code)
-    waits = re.findall(r"WaitFlag<HardEvent::(\w+)>", code)
-    assert sorted(sets) == sorted(waits) and sets
-    # Every queue that allocates also enqueues, dequeues and frees.
-    for queue in set(re.findall(r"(\w+Queue_)\.AllocTensor", code)):
-        for call in ("AllocTensor", "EnQue", "DeQue", "FreeTensor"):
-            assert f"{queue}.{call}" in code, (queue, call)
-    # Scalar writes into UB are followed by an S_V barrier before vector use.
+    code = "".join(re.sub(r"//[^\n]*", "", (ROOT / "ascend_kernels" / name).read_text())
+                   for name in ("rope_kernel.h", "prologue_kernel.h"))
+    # Every SetFlag has its WaitFlag for the same event kind, right after it.
+    pairs = re.findall(r"SetFlag<HardEvent::(\w+)>\((\w+)\);\s*WaitFlag<HardEvent::(\w+)>\((\w+)\);", code)
+    assert len(pairs) == len(re.findall(r"SetFlag<", code)) == len(re.findall(r"WaitFlag<", code)) > 0
+    assert all(a == c and b == d for a, b, c, d in pairs)
+    # Every queue tensor allocated is freed, and every queue that enqueues also dequeues.
+    for queue in set(re.findall(r"(\w+_)\.(?:template )?AllocTensor", code)):
+        assert re.search(rf"{queue}\.FreeTensor", code), queue
+    for queue in set(re.findall(r"(\w+_)\.EnQue", code)) | {"copyQueue_"}:
+        assert re.search(rf"{queue}\.(?:template )?DeQue", code), queue
+    # Scalar writes into UB are fenced from vector use on both sides.
     assert "HardEvent::S_V" in code and "HardEvent::V_S" in code
     # No plain DataCopy with an element count (only block-param DataCopy or DataCopyPad).
     assert not re.search(r"DataCopy\([^;]*,\s*[a-z]\w*Count\)", code)
-    # Every InitBuffer size is one of the terms rope_row_bytes() counts.
-    assert code.count("pipe_.InitBuffer(") == 12
-
-
-# ------------------------------------------------------------------------------ the cos/sin seam
-@pytest.mark.parametrize("inverse", [False, True], ids=["fwd", "grad"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
-@pytest.mark.parametrize("style", STYLES)
-def test_second_cos_sin_source_through_the_same_kernel(sim, style, dtype, inverse):
-    """rope_kernel.h's stage 1 is a template parameter: the test-only TokenRowsSource (cos/sin
-    given per token, the shape of the coming variant) runs through the unchanged rotate stage."""
-    gen = torch.Generator().manual_seed(7)
-    B, S, Hq, Hk, D, r = 3, 5, 3, 2, 40, 24
-    q = torch.randn(S, B, Hq, D, generator=gen).to(dtype)  # sbhd: strided [B, S, H, D] views
-    k = torch.randn(S, B, Hk, D, generator=gen).to(dtype)
-    angles = torch.rand(B * S, r // 2, generator=gen, dtype=torch.float64) * 200 - 100
-    cos, sin = (1.5 * torch.cos(angles)).float(), (1.5 * torch.sin(angles)).float()
-    token = torch.arange(B * S).view(B, S)  # row b*S + s of the tables is token (b, s)
-    q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
-    args = KernelArgs(q=q, k=k, q_out=q_out, k_out=k_out, pos=token, pos_offset=0, cos=cos, sin=sin,
-                      freq_turns=None, attention_factor=1.0, layout="sbhd", rotary_dim=r,
-                      interleaved=style == "gptj", inverse=inverse, inplace=False)
-    views = kc.kernel_views(args)
-    t = tl.compute_tiling(kc.tiling_params(views, inverse), 8192, 2)  # small UB: several tiles
-    assert t["tileRows"] < t["formerRows"]
-    stats = sim.launch(views, t, tl.pack(t), inverse, token_rows=True)
-    for x, out in ((q, q_out), (k, k_out)):
-        ref = rope_reference(x, token.T.contiguous().T, layout="sbhd", rotary_dim=r, style=style,
-                             cos_sin=(cos, sin), inverse=inverse)
-        bound = _allowed(x, ref, dtype, r, style)
-        ok = (out.double() - ref).abs() <= bound
-        ok[..., r:] = out[..., r:].double() == x[..., r:].double()
-        assert bool(ok.all()), f"{(~ok).sum().item()} elements off"
-    # Each token's row read once (not per head, not per position lookup), and positions never.
-    assert stats["cos_io"] == (B * S * (r // 2) * 4, 0) and stats["sin_io"] == (B * S * (r // 2) * 4, 0)
-    assert stats["scalar_ub_writes"] == 3 * t["rotPad"] * t["blockDim"]  # BuildTables only
 
 
 # ------------------------------------------------------------------------------ huge positions
@@ -445,3 +414,270 @@ def test_positions_beyond_2_pow_40_stay_rotations(sim):
     norm_in = q[..., : r // 2].square() + q[..., r // 2:].square()
     norm_out = out[..., : r // 2].square() + out[..., r // 2:].square()
     torch.testing.assert_close(norm_out, norm_in, rtol=2e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ the cos/sin sources
+def launch_args(sim, args: KernelArgs, ub=196608, cores=3):
+    """Views, tiling and launch of ``args`` as the host glue would; (stats, tiling)."""
+    views = kc.kernel_views(args)
+    t = tl.compute_tiling(kc.tiling_params(views, args.inverse), ub, cores)
+    stats = sim.launch(views, t, tl.pack(t), args.inverse)
+    assert stats["ub_peak"] == t["ubBytes"], "kernel UB allocation differs from the tiling's"
+    return stats, t
+
+
+def _io_tensors(layout, dtype, B, S, Hq, Hk, D, gen):
+    q = _make_qk((B, S, Hq, D), layout, dtype, Hq, gen)
+    k = _make_qk((B, S, Hk, D), layout, dtype, Hk, gen) if Hk else None
+    return q, k
+
+
+def _check_rotation(q, k, q_out, k_out, ref_of, dtype, r, style):
+    """Outputs within SPEC's bound of ref_of(x); NaN exactly where the reference is; tail exact."""
+    from rope_ops.testing.checks import assert_rope_close
+
+    for x, out, name in ((q, q_out, "q"), (k, k_out, "k")):
+        if x is not None:
+            assert_rope_close(out, ref_of(x), x, rotary_dim=r, style=style, what=name, dtype=dtype)
+
+
+TOKEN_FORMS = ["contiguous", "rows_of_a_wider_tensor", "shared_by_the_batch", "broadcast_over_tokens"]
+
+
+@pytest.mark.parametrize("inverse", [False, True], ids=["fwd", "grad"])
+@pytest.mark.parametrize("table_dtype", DTYPES, ids=lambda d: "table_" + str(d).split(".")[1])
+@pytest.mark.parametrize("style", STYLES)
+def test_token_rows_source(sim, style, table_dtype, inverse):
+    """Caller cos/sin per token [B, S, r/2] (any strides) for every dtype, style and direction;
+    each token's row read once, positions never read."""
+    gen = torch.Generator().manual_seed(7)
+    B, S, Hq, Hk, D, r = 3, 5, 3, 2, 40, 24
+    for dtype in DTYPES:
+        q, k = _io_tensors("sbhd", dtype, B, S, Hq, Hk, D, gen)  # strided [B, S, H, D] views
+        angles = torch.rand(B, S, r // 2, generator=gen, dtype=torch.float64) * 200 - 100
+        cos, sin = (1.5 * torch.cos(angles)).to(table_dtype), (1.5 * torch.sin(angles)).to(table_dtype)
+        q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
+        args = KernelArgs(q, k, q_out, k_out, None, 0, cos, sin, None, 1.0, "sbhd", r, style == "gptj", inverse,
+                          False, "token")
+        stats, t = launch_args(sim, args, ub=8192, cores=2)  # small UB: several tiles
+        assert t["tileRows"] < t["formerRows"]
+
+        def ref_of(x):
+            return rope_reference(x, None, layout="sbhd", rotary_dim=r, style=style, token_cos_sin=(cos, sin),
+                                  inverse=inverse)
+
+        _check_rotation(q, k, q_out, k_out, ref_of, dtype, r, style)
+        row = (r // 2) * cos.element_size()
+        assert stats["cos_io"] == (B * S * row, 0) and stats["sin_io"] == (B * S * row, 0)
+
+
+@pytest.mark.parametrize("form", TOKEN_FORMS)
+@pytest.mark.parametrize("layout", ["bshd", "thd", "bhsd"])
+def test_token_rows_in_every_layout_and_stride(sim, form, layout):
+    """Per-token tables as rope_ops hands them over: [B, S, r/2] views of [B, S, r] tensors, of
+    [1, S, w] / [S, w] tables expanded over the batch (stride 0), of one row broadcast over the
+    tokens (stride 0 on S: one copy per token)."""
+    gen = torch.Generator().manual_seed(8)
+    B, S, D, r = (1, 13, 48, 48) if layout == "thd" else (2, 9, 48, 48)
+    half = r // 2
+    q, k = _io_tensors(layout, torch.bfloat16, B, S, 4, 1, D, gen)
+    wide = torch.rand(B, S, r, generator=gen, dtype=torch.float64) * 6
+    if form == "contiguous":
+        c, s = wide[..., :half].cos().float().contiguous(), wide[..., :half].sin().float().contiguous()
+    elif form == "rows_of_a_wider_tensor":
+        cs = torch.cat([wide[..., :half].cos(), wide[..., :half].sin()], dim=-1).float()
+        c, s = cs[..., :half], cs[..., half:]
+    elif form == "shared_by_the_batch":
+        one = wide[:1]
+        c, s = one[..., :half].cos().float().expand(B, S, half), one[..., :half].sin().float().expand(B, S, half)
+    else:
+        one = wide[:, :1]
+        c, s = one[..., :half].cos().float().expand(B, S, half), one[..., :half].sin().float().expand(B, S, half)
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    args = KernelArgs(q, k, q_out, k_out, None, 0, c, s, None, 1.0, layout, r, False, False, False, "token")
+    launch_args(sim, args, ub=16384, cores=3)
+    tables = (c[0], s[0]) if layout == "thd" else (c, s)
+
+    def ref_of(x):
+        return rope_reference(x, None, layout=layout, rotary_dim=r, style="neox", token_cos_sin=tables)
+
+    _check_rotation(q, k, q_out, k_out, ref_of, torch.bfloat16, r, "neox")
+
+
+CACHE_FORMS = ["fp16_pair", "bf16_pair", "cos_sin_cache", "bf16_cos_sin_cache", "fp32_pair"]
+
+
+@pytest.mark.parametrize("form", CACHE_FORMS)
+@pytest.mark.parametrize("style", STYLES)
+def test_position_tables_strided_and_low_precision(sim, form, style):
+    """Caller tables by position: fp16/bf16 pairs (converted to float32 in UB) and one [P, r]
+    cos|sin cache read in place through its two row-strided halves; rows outside the table NaN;
+    each in-table token's row read once per table, in the table's dtype."""
+    gen = torch.Generator().manual_seed(9)
+    P, B, S, Hq, Hk, D, r = 37, 2, 11, 3, 2, 64, 48
+    table_dtype = {"fp16_pair": torch.float16, "bf16_pair": torch.bfloat16,
+                   "bf16_cos_sin_cache": torch.bfloat16}.get(form, torch.float32)
+    angles = torch.rand(P, r // 2, generator=gen, dtype=torch.float64) * 6.3
+    c, s = angles.cos().to(table_dtype), angles.sin().to(table_dtype)
+    if "cache" in form:
+        cache = torch.cat([c, s], dim=-1)
+        cos, sin = cache[:, : r // 2], cache[:, r // 2:]
+        assert cos.stride(0) == r
+    else:
+        cos, sin = c, s
+    for dtype in DTYPES:
+        q, k = _io_tensors("bshd", dtype, B, S, Hq, Hk, D, gen)
+        pos = torch.randint(-4, P + 6, (B, S), generator=gen)
+        q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
+        args = KernelArgs(q, k, q_out, k_out, pos, 0, cos, sin, None, 1.0, "bshd", r, style == "gptj", False, False)
+        stats, _ = launch_args(sim, args, ub=12288, cores=2)
+
+        def ref_of(x):
+            return rope_reference(x, pos, layout="bshd", rotary_dim=r, style=style, cos_sin=(c, s))
+
+        _check_rotation(q, k, q_out, k_out, ref_of, dtype, r, style)
+        inside = int(((pos >= 0) & (pos < P)).sum())
+        row = (r // 2) * c.element_size()
+        if "cache" in form:  # one storage: both halves' reads
+            assert stats["cos_io"] == (2 * inside * row, 0)
+        else:
+            assert stats["cos_io"] == (inside * row, 0) and stats["sin_io"] == (inside * row, 0)
+
+
+def test_low_precision_tables_with_on_the_fly_rows(sim):
+    """The kernel's 16-bit table path with freq_turns: rows outside the table computed on the fly
+    after the cast (the scalar writes must not be overwritten by it)."""
+    gen = torch.Generator().manual_seed(10)
+    r = 32
+    inv = _inv_freq(r)
+    c32, s32 = cos_sin_table(inv, 1.0, 24)
+    c, s = c32.to(torch.float16), s32.to(torch.float16)
+    q = torch.randn(2, 9, 2, r, generator=gen)
+    pos = torch.randint(0, 60, (2, 9), generator=gen)
+    out = torch.empty_like(q)
+    args = KernelArgs(q, None, out, None, pos, 0, c, s, freq_turns_of(inv), 1.0, "bshd", r, False, False, False)
+    launch_args(sim, args, cores=2)
+    inside = pos < 24
+    exact_c, exact_s = exact_cos_sin(pos.reshape(-1), inv)
+    token_c = torch.where(inside.reshape(-1, 1), c.double()[pos.clamp_max(23).reshape(-1)], exact_c)
+    token_s = torch.where(inside.reshape(-1, 1), s.double()[pos.clamp_max(23).reshape(-1)], exact_s)
+    ref = rope_reference(q, None, layout="bshd", rotary_dim=r, style="neox",
+                         token_cos_sin=(token_c.view(2, 9, -1), token_s.view(2, 9, -1)))
+    assert bool(((out.double() - ref).abs() <= _allowed(q, ref, torch.float32, r, "neox")).all())
+
+
+# ------------------------------------------------------------------------------ mRoPE
+def mrope_exact_tables(positions: torch.Tensor, inv: torch.Tensor, section, interleaved, m=1.0):
+    """float64 per-token (c, s) [N, r/2] of mRoPE positions [3, N], each frequency at its axis's
+    position with the angle reduced exactly."""
+    import math
+
+    from rope_ops._mrope import mrope_axes
+    from rope_ops.frequencies import reduced_angle
+
+    axes = mrope_axes(section, interleaved).tolist()
+    rows = [[reduced_angle(int(positions[a, j]), float(f)) for a, f in zip(axes, inv.tolist())]
+            for j in range(positions.shape[1])]
+    angle = torch.tensor(rows, dtype=torch.float64)
+    return m * torch.cos(angle), m * torch.sin(angle)
+
+
+SECTIONS = [((8, 12, 12), False), ((8, 12, 12), True), ((16, 0, 16), False), ((4, 14, 14), True),
+            ((0, 0, 32), False)]
+
+
+@pytest.mark.parametrize("section,interleaved", SECTIONS, ids=lambda v: str(v))
+def test_mrope_source(sim, section, interleaved):
+    """Three positions per token, frequency i from its axis's row (chunked and interleaved
+    sections, an axis without frequencies); positions inside and outside the table, shared by the
+    batch or not; rows read only for axes that own frequencies."""
+    gen = torch.Generator().manual_seed(11)
+    r, P = 64, 40
+    inv = _inv_freq(r)
+    cos, sin = cos_sin_table(inv, 1.0, P)
+    cos, sin = cos.clone(), sin.clone()
+    for dtype, shape, layout in ((torch.float32, (3, 2, 7), "bshd"), (torch.bfloat16, (3, 7), "bshd"),
+                                 (torch.float16, (3, 13), "thd")):
+        B, S = (1, 13) if layout == "thd" else (2, 7)
+        q, k = _io_tensors(layout, dtype, B, S, 3, 2, r + 8, gen)
+        pos = torch.randint(-5, P + 30, shape, generator=gen)
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        args = KernelArgs(q, k, q_out, k_out, pos, 0, cos, sin, freq_turns_of(inv), 1.0, layout, r, False, False,
+                          False, "mrope", section, interleaved)
+        stats, _ = launch_args(sim, args, ub=16384, cores=2)
+
+        def ref_of(x):
+            return rope_reference(x, pos, layout=layout, rotary_dim=r, style="neox", inv_freq=inv,
+                                  mrope_section=section, mrope_interleaved=interleaved)
+
+        _check_rotation(q, k, q_out, k_out, ref_of, dtype, r, "neox")
+        full = pos if pos.dim() == 3 else pos.unsqueeze(1).expand(3, B, S)
+        used = torch.tensor([n > 0 for n in section]).view(3, 1, 1)
+        inside = int((((full >= 0) & (full < P)) & used).sum())
+        assert stats["cos_io"] == (inside * (r // 2) * 4, 0)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["chunked", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
+def test_mrope_positions_up_to_2_pow_40(sim, dtype, interleaved):
+    """mRoPE with positions to +-2^40 on every axis (and table rows mixed in) against angles
+    reduced exactly, frequency by frequency; forward and inverse."""
+    gen = torch.Generator().manual_seed(12)
+    r, section = 48, (8, 8, 8)
+    inv = _inv_freq(r, 500000.0)
+    cos, sin = cos_sin_table(inv, 1.25, 16)
+    cos, sin = cos.clone(), sin.clone()
+    B, S = 2, 6
+    pos = torch.tensor(HUGE * 6, dtype=torch.int64)[: 3 * B * S].view(3, B, S)
+    pos[0, 1, :3] = torch.tensor([0, 5, 15])
+    pos[2, 0, 2] = 7
+    for inverse in (False, True):
+        q, k = _io_tensors("bshd", dtype, B, S, 2, 1, r, gen)
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        args = KernelArgs(q, k, q_out, k_out, pos, 0, cos, sin, freq_turns_of(inv), 1.25, "bshd", r, True,
+                          inverse, False, "mrope", section, interleaved)
+        launch_args(sim, args, cores=3)
+        c, s = mrope_exact_tables(pos.reshape(3, -1), inv, section, interleaved, 1.25)
+        inside = ((pos >= 0) & (pos < 16)).reshape(3, -1)
+        from rope_ops._mrope import mrope_axes
+
+        axes = mrope_axes(section, interleaved)
+        for j in range(B * S):  # table rows where the axis's position is inside: the table's values
+            for i, a in enumerate(axes.tolist()):
+                if inside[a, j]:
+                    c[j, i], s[j, i] = cos[pos.reshape(3, -1)[a, j], i], sin[pos.reshape(3, -1)[a, j], i]
+
+        def ref_of(x):
+            return rope_reference(x, None, layout="bshd", rotary_dim=r, style="gptj",
+                                  token_cos_sin=(c.view(B, S, -1), s.view(B, S, -1)), inverse=inverse)
+
+        _check_rotation(q, k, q_out, k_out, ref_of, dtype, r, "gptj")
+
+
+@pytest.mark.parametrize("table_dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
+def test_mrope_caller_tables(sim, table_dtype):
+    """mRoPE on caller tables (fp32/fp16/bf16, one cos|sin cache for fp32): a frequency whose
+    axis's position is outside the table is NaN, the others are the table's values."""
+    gen = torch.Generator().manual_seed(13)
+    P, r, section = 20, 32, (4, 6, 6)
+    angles = torch.rand(P, r // 2, generator=gen, dtype=torch.float64) * 6.3
+    c, s = angles.cos().to(table_dtype), angles.sin().to(table_dtype)
+    if table_dtype == torch.float32:
+        cache = torch.cat([c, s], dim=-1)
+        cos, sin = cache[:, : r // 2], cache[:, r // 2:]
+    else:
+        cos, sin = c, s
+    q = torch.randn(1, 9, 2, r, generator=gen)
+    pos = torch.randint(0, P, (3, 9), generator=gen)
+    pos[1, 3] = P + 2  # one h position past the table
+    pos[2, 5] = -1  # one w position before it
+    out = torch.full_like(q, 7.0)
+    args = KernelArgs(q, None, out, None, pos, 0, cos, sin, None, 1.0, "bshd", r, False, False, False, "mrope",
+                      section, True)
+    launch_args(sim, args, cores=2)
+    ref = rope_reference(q, pos, layout="bshd", rotary_dim=r, style="neox", cos_sin=(c, s), mrope_section=section,
+                         mrope_interleaved=True)
+    from rope_ops.testing.checks import assert_rope_close
+
+    assert_rope_close(out, ref, q, rotary_dim=r, style="neox", what="mrope caller tables")
+    assert bool(torch.isnan(out[0, 3]).any()) and bool(torch.isnan(out[0, 5]).any())

@@ -324,9 +324,10 @@ def test_supports_and_availability_report_exceptions_as_reasons(monkeypatch):
     assert registry.reasons(backend, None) == ["ascend backend: MemoryError: probe"]
 
 
-def test_kernels_take_float32_position_tables_and_leave_the_rest_to_the_other_tiers(monkeypatch):
-    """Variants the kernels do not implement (per-token cos/sin, mRoPE, fp16/bf16 tables) go to the
-    next tier with the reason, or are refused before writing when only the kernels are allowed."""
+def test_kernels_take_every_angle_source_and_leave_the_rest_to_the_other_tiers(monkeypatch):
+    """The kernels serve every angle source and table dtype (per-token cos/sin, fp16 tables,
+    mRoPE); what they cannot take (a stride on head_dim) goes to the next tier with the reason, or
+    is refused before writing when only the kernels are allowed."""
     backend = _routed(monkeypatch, "kernels,torch", with_kernels=True)
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, 5, 3, 32, generator=gen)
@@ -335,21 +336,59 @@ def test_kernels_take_float32_position_tables_and_leave_the_rest_to_the_other_ti
     table = torch.rand(64, 16, generator=gen, dtype=torch.float64) * 6
     half_tables = (table.cos().half(), table.sin().half())
     pos = torch.randint(0, 64, (2, 5), generator=gen)
+    rope = rope_ops.RotaryEmbedding(32, max_position=16)
+    mrope_pos = torch.randint(0, 40, (3, 2, 5), generator=gen)
     with registry.override({"ascend": backend, "torch": TorchBackend()}):
         out, _ = rope_ops.apply(q, None, None, cos_sin=token_tables, backend="ascend")
-        assert backend.last_tier == "torch"
-        assert any("angles 'token'" in r for r in backend.last_reasons["kernels"]), backend.last_reasons
+        assert backend.last_tier == "kernels", backend.last_reasons
         ref = rope_reference(q, None, layout="bshd", rotary_dim=32, style="neox", token_cos_sin=token_tables)
         assert_rope_close(out, ref, q, rotary_dim=32, style="neox", what="per-token tables")
         out, _ = rope_ops.apply(q, None, pos, cos_sin=half_tables, backend="ascend")
-        assert backend.last_tier == "torch"
-        assert any("float32 only" in r for r in backend.last_reasons["kernels"]), backend.last_reasons
+        assert backend.last_tier == "kernels", backend.last_reasons
         ref = rope_reference(q, pos, layout="bshd", rotary_dim=32, style="neox", cos_sin=half_tables)
         assert_rope_close(out, ref, q, rotary_dim=32, style="neox", what="fp16 tables")
-        rope_ops.apply(q, None, pos, cos_sin=(half_tables[0].float(), half_tables[1].float()), backend="ascend")
+        out, _ = rope_ops.apply(q, None, mrope_pos, rope=rope, mrope_section=(4, 6, 6), backend="ascend")
         assert backend.last_tier == "kernels", backend.last_reasons
+        ref = rope_reference(q, mrope_pos, layout="bshd", rotary_dim=32, style="neox", inv_freq=rope.inv_freq,
+                             mrope_section=(4, 6, 6))
+        assert_rope_close(out, ref, q, rotary_dim=32, style="neox", what="mRoPE")
+        strided = torch.randn(2, 5, 3, 64, generator=gen)[..., ::2]
+        out, _ = rope_ops.apply(strided, None, pos, cos_sin=half_tables, backend="ascend")
+        assert backend.last_tier == "torch"
+        assert any("stride 1 on head_dim" in r for r in backend.last_reasons["kernels"]), backend.last_reasons
         monkeypatch.setenv("ROPE_OPS_ASCEND_TIERS", "kernels")
-        q0 = q.clone()
-        with pytest.raises(BackendError, match="angles 'token'"):
-            rope_ops.apply(q, None, None, cos_sin=token_tables, inplace=True, backend="ascend")
-        assert torch.equal(q, q0)
+        before = strided.clone()
+        with pytest.raises(BackendError, match="stride 1 on head_dim"):
+            rope_ops.apply(strided, None, pos, cos_sin=half_tables, inplace=True, backend="ascend")
+        assert torch.equal(strided, before)
+
+
+def test_prologue_tiers(monkeypatch):
+    """The fused prologue: the kernels serve it with a cache in qkv's dtype; a float8 cache goes to
+    the torch tier; with only the kernels (or npu_rotary_mul, which has no prologue) allowed it is
+    refused before anything is written."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("no float8 in this torch")
+    backend = _routed(monkeypatch, "kernels,torch", with_kernels=True)
+    gen = torch.Generator().manual_seed(6)
+    hq, hk, d = 4, 2, 32
+    qkv = torch.randn(7, (hq + 2 * hk) * d, generator=gen)
+    pos = torch.randint(0, 40, (7,), generator=gen)
+    slots = torch.randperm(20, generator=gen)[:7]
+    kw = dict(num_q_heads=hq, num_kv_heads=hk, head_dim=d, q_norm=torch.ones(d), k_norm=torch.ones(d),
+              backend="ascend")
+    with registry.override({"ascend": backend, "torch": TorchBackend()}), torch.inference_mode():
+        caches = (torch.zeros(20, hk, d), torch.zeros(20, hk, d))
+        rope_ops.qkv_prologue(qkv, pos, kv_cache=caches, slots=slots, **kw)
+        assert backend.last_tier == "kernels", backend.last_reasons
+        fp8 = (torch.zeros(20, hk, d, dtype=torch.float8_e4m3fn), torch.zeros(20, hk, d, dtype=torch.float8_e4m3fn))
+        rope_ops.qkv_prologue(qkv, pos, kv_cache=fp8, slots=slots, cache_scales=(1.0, 1.0), **kw)
+        assert backend.last_tier == "torch"
+        assert any("KV cache" in r for r in backend.last_reasons["kernels"]), backend.last_reasons
+        for only in ("kernels", "npu_rotary_mul"):
+            monkeypatch.setenv("ROPE_OPS_ASCEND_TIERS", only)
+            before = qkv.clone(), fp8[0].view(torch.uint8).clone()
+            with pytest.raises(BackendError):
+                rope_ops.qkv_prologue(qkv, pos, kv_cache=fp8, slots=slots, cache_scales=(1.0, 1.0), inplace=True,
+                                      **kw)
+            assert torch.equal(qkv, before[0]) and torch.equal(fp8[0].view(torch.uint8), before[1])

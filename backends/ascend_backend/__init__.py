@@ -1,12 +1,13 @@
 """The Ascend NPU backend: three tiers, chosen per call in ``run``.
 
 1. ``kernels``: rope_ops' own Ascend C kernels (ascend_kernels/), when their library has been
-   built on this machine and loads: ops ``torch.ops.rope_ops_ascend.rotary_embedding[_grad]``.
-   Any layout, strides (stride 1 on head_dim), GQA, partial rotary, in place, any position
-   (out-of-table rows computed on the fly in the kernel), one launch for q and k; contiguous
-   float32 tables indexed by position (other angle sources and table dtypes: the next tiers).
+   built on this machine and loads: ops ``torch.ops.rope_ops_ascend.rotary_embedding[_grad]`` and
+   ``qkv_prologue[_grad]``. Any layout, strides (stride 1 on head_dim), GQA, partial rotary, in
+   place, any position (out-of-table rows computed on the fly in the kernel), one launch for q and
+   k; every angle source (tables by position, row-strided and fp16/bf16 included; cos/sin per
+   token; mRoPE) and the fused prologue (KV caches in qkv's dtype).
 2. ``npu_rotary_mul``: ``torch_npu.npu_rotary_mul`` (CANN's fused RotaryPositionEmbedding), only
-   for calls inside its documented limits (limits.py, checked in Python first). rope_ops builds
+   for rotations inside its documented limits (limits.py, checked in Python first). rope_ops builds
    per-token cos/sin rows (``cos_sin_rows``: never reads outside the table), expands them to the
    full width the op expects (neox: cat(c, c), mode "half"; gptj: c.repeat_interleave(2), mode
    "interleave"), and rotates the first rotary_dim dims; the tail is copied (or kept in place).
@@ -16,8 +17,10 @@
    with sin negated: the gradient of a rotation is the rotation by minus the angle. We do not use
    ``torch.ops.npu.npu_rotary_mul_backward``: it computes the same dx through
    aclnnRotaryPositionEmbeddingGrad but has extra limits (B < S for B1SD/BS1D cos, B*N <= 1024
-   once x is passed), and rope_ops' autograd never needs dcos/dsin.
-3. ``torch``: the pure-torch backend's ``run`` on the npu device (always possible).
+   once x is passed), and rope_ops' autograd never needs dcos/dsin. It has no prologue.
+3. ``torch``: the pure-torch backend's ``run`` on the npu device (always possible), and the
+   prologue in torch ops (``prologue_forward_torch`` / ``prologue_backward_torch``), e.g. for a
+   float8 KV cache.
 
 Importing this module imports neither torch_npu nor any kernel library; ``availability()`` does,
 once, in a worker thread bounded by ``ROPE_OPS_ASCEND_PROBE_TIMEOUT``: whatever the import or the
@@ -47,7 +50,8 @@ from typing import NamedTuple
 import torch
 
 from rope_ops import BackendError
-from rope_ops.backend import Backend, KernelArgs, RopeCall, bshd_view, cos_sin_rows, positions_bs
+from rope_ops.backend import (Backend, KernelArgs, PrologueArgs, RopeCall, bshd_view, cos_sin_rows,
+                              positions_bs, prologue_backward_torch, prologue_forward_torch)
 
 from . import _kernel_call as kc
 from . import limits as _limits
@@ -167,6 +171,15 @@ def config_errors() -> list[str]:
     return []
 
 
+class KernelOps(NamedTuple):
+    """The ops of the kernel library (rope_host.cpp), or stand-ins with their signatures."""
+
+    rotary_embedding: object
+    rotary_embedding_grad: object
+    qkv_prologue: object
+    qkv_prologue_grad: object
+
+
 class _Env:
     """What this process has: torch_npu, devices, kernels. Probed once, lazily."""
 
@@ -174,7 +187,7 @@ class _Env:
         self.torch_npu = None
         self.reasons: list[str] = []
         self.device_count = 0
-        self.kernel_ops = None  # (forward op, grad op) once loaded
+        self.kernel_ops: KernelOps | None = None  # once loaded
         self.kernel_status = "not probed"
         self.rotary_mul = None
 
@@ -216,11 +229,13 @@ class AscendBackend(Backend):
     priority = 20
     device_types = frozenset({"npu"})
     dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
-    # Every angle source and table dtype: the npu_rotary_mul and torch tiers take them all (their
-    # cos/sin rows come from rope_ops.backend.cos_sin_rows); the kernels take float32 tables
-    # indexed by position (KERNEL_ANGLES) and refuse the rest per call.
+    # Every angle source and table dtype: the kernels' cos/sin sources (KERNEL_ANGLES) and the
+    # npu_rotary_mul and torch tiers (their cos/sin rows come from rope_ops.backend.cos_sin_rows).
     angle_kinds = frozenset({"table", "token", "mrope"})
     table_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    # The fused prologue: the kernels (caches in qkv's dtype) or the torch tier (float8 too).
+    supports_prologue = True
+    prologue_cache_dtypes = frozenset(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 
     def __init__(self):
         self._env: _Env | None = None
@@ -314,7 +329,8 @@ class AscendBackend(Backend):
         try:
             torch.ops.load_library(str(path))
             ns = torch.ops.rope_ops_ascend
-            env.kernel_ops = (ns.rotary_embedding.default, ns.rotary_embedding_grad.default)
+            env.kernel_ops = KernelOps(ns.rotary_embedding.default, ns.rotary_embedding_grad.default,
+                                       ns.qkv_prologue.default, ns.qkv_prologue_grad.default)
             env.kernel_status = f"loaded from {path}"
         except Exception as e:
             env.kernel_status = f"failed to load {path}: {_short(e)}"
@@ -345,6 +361,8 @@ class AscendBackend(Backend):
         why = []
         if "kernels" in tiers:
             kernel_why = kc.call_reasons(call.angles, call.table_dtype)
+            if call.op == "prologue" and call.cache_dtype not in (None, call.dtype):
+                kernel_why.append(f"kernels: KV cache of dtype {call.cache_dtype}")
             if env.kernel_ops is None:
                 why.append(f"kernels: {env.kernel_status}")
             elif not call.last_dim_contiguous:
@@ -353,7 +371,9 @@ class AscendBackend(Backend):
                 why += kernel_why
             else:
                 return []
-        if "npu_rotary_mul" in tiers:
+        if "npu_rotary_mul" in tiers and call.op == "prologue":
+            why.append("npu_rotary_mul: no fused prologue")
+        elif "npu_rotary_mul" in tiers:
             if env.rotary_mul is None:
                 why.append("npu_rotary_mul: torch_npu.npu_rotary_mul unavailable")
             elif call.rotary_dim >= _limits.MAX_D:
@@ -446,10 +466,8 @@ class AscendBackend(Backend):
         elif env.kernel_ops is None:
             skipped["kernels"] = [env.kernel_status]
         else:
-            why = kc.call_reasons(args.angles, args.cos.dtype)
-            views = None if why else kc.kernel_views(args)
-            if views is not None:
-                why = kc.kernel_reasons(views, args.inverse, self._ub_size(), self._cores(args.q))
+            views = kc.kernel_views(args)
+            why = kc.kernel_reasons(views, args.inverse, self._ub_size(), self._cores(args.q))
             if not why:
                 return "kernels", skipped, views
             skipped["kernels"] = why
@@ -514,8 +532,7 @@ class AscendBackend(Backend):
         elif args.k is not None and args.k.numel() == 0:
             args = args._replace(k=None, k_out=None)
         tier, skipped, prepared = self._choose(args)
-        self.last_tier, self.last_reasons = tier, skipped
-        self.tier_counts[tier] += 1
+        self._served(tier, skipped)
         if tier == "kernels":
             self._run_kernels(args, prepared)
         elif tier == "npu_rotary_mul":
@@ -524,10 +541,10 @@ class AscendBackend(Backend):
             self._run_torch(args)
 
     def _run_kernels(self, args: KernelArgs, v) -> None:
-        fwd, grad = self._probe().kernel_ops
-        op = grad if args.inverse else fwd
-        op(v.q, v.k, v.q_out, v.k_out, v.pos, v.pos_offset, v.cos, v.sin, v.freq_turns, v.attention_factor,
-           v.rotary_dim, v.interleaved, v.inplace, self._ub_size(), self._cores(args.q))
+        ops = self._probe().kernel_ops
+        op = ops.rotary_embedding_grad if args.inverse else ops.rotary_embedding
+        op(v.q, v.k, v.q_out, v.k_out, *v.angles.op_args(), v.rotary_dim, v.interleaved, v.inplace,
+           self._ub_size(), self._cores(args.q))
 
     def _run_rotary_mul(self, args: KernelArgs, plan) -> None:
         layout, cos_shape, shared = plan
@@ -572,3 +589,62 @@ class AscendBackend(Backend):
 
             self._torch_backend = TorchBackend()
         self._torch_backend.run(args)
+
+    # ---------------------------------------------------------------- the fused prologue
+    def _choose_prologue(self, args: PrologueArgs, views_of):
+        """(tier, skipped reasons, kernel views) for the prologue: the kernels when they can take
+        the call (``views_of()`` builds their views), else the torch tier. BackendError (before
+        anything is written) when no allowed tier can take it."""
+        env = self._probe()
+        config()
+        skipped: dict[str, list[str]] = {}
+        if not self._tier_allowed("kernels"):
+            skipped["kernels"] = ["disabled by ROPE_OPS_ASCEND_TIERS"]
+        elif env.kernel_ops is None:
+            skipped["kernels"] = [env.kernel_status]
+        else:
+            views, grad = views_of()
+            why = kc.prologue_reasons(views, grad, self._ub_size(), self._cores(args.qkv))
+            if not why:
+                return "kernels", skipped, views
+            skipped["kernels"] = why
+        skipped["npu_rotary_mul"] = ["no fused prologue (norm, cache write)"]
+        if not self._tier_allowed("torch"):
+            raise BackendError("rope_ops ascend backend: no tier allowed by ROPE_OPS_ASCEND_TIERS="
+                               f"{os.environ.get('ROPE_OPS_ASCEND_TIERS')!r} can take this prologue: {skipped}",
+                               refusals={"ascend": [f"{t}: {'; '.join(r)}" for t, r in skipped.items()]})
+        return "torch", skipped, None
+
+    def _served(self, tier: str, skipped: dict) -> None:
+        self.last_tier, self.last_reasons = tier, skipped
+        self.tier_counts[tier] += 1
+
+    def run_prologue(self, args: PrologueArgs) -> None:
+        tier, skipped, v = self._choose_prologue(args, lambda: (kc.prologue_views(args), False))
+        self._served(tier, skipped)
+        if tier != "kernels":
+            prologue_forward_torch(args)
+            return
+        self._probe().kernel_ops.qkv_prologue(
+            v.q, v.k, v.v, v.q_out, v.k_out, v.v_out, *v.angles.op_args(), v.rotary_dim, v.interleaved,
+            v.rotate, v.q_weight, v.k_weight, v.eps, v.weight_offset, v.inplace, v.k_cache, v.v_cache, v.slots,
+            self._ub_size(), self._cores(args.qkv))
+
+    def run_prologue_backward(self, args: PrologueArgs, grad_q, grad_k, grad_v):
+        qkv = args.qkv
+        grad_qkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+        tier, skipped, v = self._choose_prologue(
+            args, lambda: (kc.prologue_grad_views(args, grad_qkv, grad_q, grad_k, grad_v), True))
+        self._served(tier, skipped)
+        if tier != "kernels":
+            return prologue_backward_torch(args, grad_q, grad_k, grad_v)
+        cores = self._cores(qkv)
+        # One row of float32 weight-gradient sums per core, added here in a fixed order.
+        sums = [None if w is None else torch.zeros(cores, args.head_dim, device=qkv.device)
+                for w in (args.q_weight, args.k_weight)]
+        self._probe().kernel_ops.qkv_prologue_grad(
+            v.q, v.k, v.v, v.xq, v.xk, v.q_out, v.k_out, v.v_out, *v.angles.op_args(), v.rotary_dim,
+            v.interleaved, v.rotate, v.q_weight, v.k_weight, v.eps, v.weight_offset, sums[0], sums[1],
+            self._ub_size(), cores)
+        return (grad_qkv, None if sums[0] is None else sums[0].sum(0),
+                None if sums[1] is None else sums[1].sum(0))

@@ -6,9 +6,9 @@
   stand-in (one device, a SoC name, a vector core count).
 * ``CpuRoutedAscendBackend``: AscendBackend accepting CPU tensors, so rope_ops' selection,
   validation and autograd route CPU tensors to it.
-* ``sim_kernel_ops()``: replacements for ``torch.ops.rope_ops_ascend.rotary_embedding[_grad]`` that
-  do what rope_host.cpp does (tiling from the tensors, then launch) with the shipped kernels
-  compiled for the CPU (tests/ascend/cpu_sim, needs g++).
+* ``sim_kernel_ops()``: replacements for the ``torch.ops.rope_ops_ascend`` ops (rotary_embedding[_grad],
+  qkv_prologue[_grad]) that do what rope_host.cpp does (tiling from the tensors, then launch) with
+  the shipped kernels compiled for the CPU (tests/ascend/cpu_sim, needs g++).
 
 Nothing here is used by the backend itself.
 """
@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import sys
 import types
+from typing import NamedTuple
 
 import torch
 
-from rope_ops_backends.ascend_backend import AscendBackend
+from rope_ops_backends.ascend_backend import AscendBackend, KernelOps
 from rope_ops_backends.ascend_backend import _kernel_call as kc
 from rope_ops_backends.ascend_backend import tiling as tl
 
@@ -111,25 +112,69 @@ def load_sim() -> rope_sim.Sim:
     return _SIM[0]
 
 
-def sim_kernel_ops(sim=None, launched: list | None = None):
-    """(forward op, grad op) with the signature of torch.ops.rope_ops_ascend.rotary_embedding[_grad]."""
+class Launch(NamedTuple):
+    """One kernel launch as rope_host.cpp makes it from an op's arguments."""
+
+    kernel: int  # rope_sim.ROPE / ROPE_GRAD / PROLOGUE / PROLOGUE_GRAD
+    dtype: torch.dtype
+    tensors: list  # the entry's GM arguments in order (None where absent), without the tiling
+    params: dict  # the tiling's input fields
+    ub_size: int
+    core_num: int
+
+
+def rope_launch(inverse: bool, q, k, q_out, k_out, pos, pos_offset, cos, sin, freq, attn, angles, section,
+                mrope_interleaved, rotary_dim, interleaved, inplace, ub_size, core_num) -> Launch:
+    """The launch of rotary_embedding[_grad] for these op arguments."""
+    a = kc.AngleViews(pos, pos_offset, cos, sin, freq, attn, angles, tuple(section), mrope_interleaved)
+    v = kc.KernelViews(q, k, q_out, k_out, a, rotary_dim, interleaved, inplace)
+    return Launch(rope_sim.ROPE_GRAD if inverse else rope_sim.ROPE, q.dtype,
+                  [q, k, q_out, k_out, pos, cos, sin, freq], kc.tiling_params(v, inverse), ub_size, core_num)
+
+
+def prologue_launch(q, k, v, q_out, k_out, v_out, pos, pos_offset, cos, sin, freq, attn, angles, section,
+                    mrope_interleaved, rotary_dim, interleaved, rotate, q_weight, k_weight, eps, weight_offset,
+                    inplace, k_cache, v_cache, slots, ub_size, core_num) -> Launch:
+    """The launch of qkv_prologue for these op arguments."""
+    a = kc.AngleViews(pos, pos_offset, cos, sin, freq, attn, angles, tuple(section), mrope_interleaved)
+    views = kc.PrologueViews(q, k, v, q_out, k_out, v_out, None, None, a, rotary_dim, interleaved, rotate,
+                             q_weight, k_weight, eps, weight_offset, inplace, k_cache, v_cache, slots)
+    return Launch(rope_sim.PROLOGUE, q_out.dtype, [q, k, v, q_out, k_out, v_out, pos, cos, sin, freq, q_weight,
+                                                   k_weight, k_cache, v_cache, slots],
+                  kc.prologue_tiling_params(views, False), ub_size, core_num)
+
+
+def prologue_grad_launch(grad_q, grad_k, grad_v, xq, xk, dq, dk, dv, pos, pos_offset, cos, sin, freq, attn,
+                         angles, section, mrope_interleaved, rotary_dim, interleaved, rotate, q_weight, k_weight,
+                         eps, weight_offset, q_weight_sums, k_weight_sums, ub_size, core_num) -> Launch:
+    """The launch of qkv_prologue_grad for these op arguments."""
+    a = kc.AngleViews(pos, pos_offset, cos, sin, freq, attn, angles, tuple(section), mrope_interleaved)
+    views = kc.PrologueViews(grad_q, grad_k, grad_v, dq, dk, dv, xq, xk, a, rotary_dim, interleaved, rotate,
+                             q_weight, k_weight, eps, weight_offset, False, None, None, None)
+    return Launch(rope_sim.PROLOGUE_GRAD, dq.dtype, [grad_q, grad_k, grad_v, xq, xk, dq, dk, dv, pos, cos, sin,
+                                                     freq, q_weight, k_weight, q_weight_sums, k_weight_sums],
+                  kc.prologue_tiling_params(views, True), ub_size, core_num)
+
+
+def sim_kernel_ops(sim=None, launched: list | None = None) -> KernelOps:
+    """Stand-ins for torch.ops.rope_ops_ascend.* with their signatures, doing in Python what
+    rope_host.cpp does: the tiling from the tensors (the C header's compute_rope_tiling), then the
+    launch of the shipped kernels in the CPU simulation. ``launched`` collects (kernel, tiling).
+    (tests/ascend/host_glue runs rope_host.cpp itself instead.)"""
     sim = load_sim() if sim is None else sim
     launched = [] if launched is None else launched
 
-    def make_op(inverse):
-        def op(q, k, q_out, k_out, pos, pos_offset, cos, sin, freq, attn, rotary_dim, interleaved, inplace,
-               ub_size, core_num):
-            v = kc.KernelViews(q, k, q_out, k_out, pos, pos_offset, cos, sin, freq, attn, rotary_dim,
-                               interleaved, inplace)
-            status, t = sim.c_tiling(kc.tiling_params(v, inverse), tl.FIELDS, ub_size, core_num)
-            if status != 0:
-                raise RuntimeError(f"rope_ops_ascend: no tiling for this call (status {status})")
-            launched.append((inverse, t))
-            if t["blockDim"]:
-                sim.launch(v, t, tl.pack(t), inverse)
-        return op
+    def run(plan: Launch, tag):
+        status, t = sim.c_tiling(plan.params, tl.FIELDS, plan.ub_size, plan.core_num)
+        if status != 0:
+            raise RuntimeError(f"rope_ops_ascend: no tiling for this call (status {status})")
+        launched.append((tag, t))
+        if t["blockDim"]:
+            sim.run(plan.kernel, plan.dtype, plan.tensors, t, tl.pack(t))
 
-    return make_op(False), make_op(True)
+    return KernelOps(lambda *a: run(rope_launch(False, *a), False), lambda *a: run(rope_launch(True, *a), True),
+                     lambda *a: run(prologue_launch(*a), "prologue"),
+                     lambda *a: run(prologue_grad_launch(*a), "prologue_grad"))
 
 
 def use_sim_kernels(backend: AscendBackend, sim=None, launched: list | None = None) -> None:

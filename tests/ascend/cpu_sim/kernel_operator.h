@@ -460,6 +460,49 @@ inline void Duplicate(const LocalTensor<T>& dst, S scalar, C count) {
     for (int64_t i = 0; i < (int64_t)count; ++i) d[i] = (T)scalar;
 }
 
+template <typename T, typename C>
+inline void Div(const LocalTensor<T>& dst, const LocalTensor<T>& a, const LocalTensor<T>& b, C count) {
+    detail::vec_check(dst, count, "Div"); detail::vec_check(a, count, "Div"); detail::vec_check(b, count, "Div");
+    ++rope_sim::st().vectorCalls;
+    T *d = dst.elems(count), *x = a.elems(count), *y = b.elems(count);
+    for (int64_t i = 0; i < (int64_t)count; ++i) d[i] = x[i] / y[i];
+}
+
+template <typename T, typename C>
+inline void Sqrt(const LocalTensor<T>& dst, const LocalTensor<T>& src, C count) {
+    detail::vec_check(dst, count, "Sqrt"); detail::vec_check(src, count, "Sqrt");
+    ++rope_sim::st().vectorCalls;
+    T *d = dst.elems(count), *x = src.elems(count);
+    for (int64_t i = 0; i < (int64_t)count; ++i) d[i] = std::sqrt(x[i]);
+}
+
+// dst[0] = the sum of src[0 .. count): as documented for Atlas A2's count form, a binary tree
+// inside each repeat of 256 bytes and the repeats' sums added in order. work must hold one value
+// per repeat (rounded up to a block).
+template <typename T>
+inline void ReduceSum(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<T>& work,
+                      int32_t count) {
+    static_assert(std::is_same<T, float>::value, "the emulator implements float ReduceSum only");
+    const int64_t perRepeat = 256 / (int64_t)sizeof(T);
+    const int64_t repeats = (count + perRepeat - 1) / perRepeat;
+    detail::vec_check(dst, 1, "ReduceSum"); detail::vec_check(src, count, "ReduceSum");
+    detail::vec_check(work, (repeats + 7) / 8 * 8, "ReduceSum work");
+    ++rope_sim::st().vectorCalls;
+    const T* x = src.elems(count);
+    T total = 0;
+    for (int64_t r = 0; r < repeats; ++r) {
+        T lane[64];
+        for (int64_t i = 0; i < perRepeat; ++i) {
+            int64_t at = r * perRepeat + i;
+            lane[i] = at < count ? x[at] : T(0);
+        }
+        for (int64_t width = perRepeat / 2; width >= 1; width /= 2)
+            for (int64_t i = 0; i < width; ++i) lane[i] = lane[2 * i] + lane[2 * i + 1];
+        total = r == 0 ? lane[0] : total + lane[0];
+    }
+    *dst.elems(1) = total;
+}
+
 // dst[i] = element at byte srcBase + offsets[i] of src.
 template <typename T>
 inline void Gather(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<uint32_t>& offsets,

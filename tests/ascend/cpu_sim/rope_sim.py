@@ -20,10 +20,10 @@ from rope_ops_backends._paths import source_dir
 
 HERE = Path(__file__).resolve().parent
 KERNELS = source_dir("ascend_kernels")  # the shipped kernel sources, checkout or installed
-SOURCES = [HERE / "sim_main.cpp", HERE / "kernel_operator.h", HERE / "token_rows_source.h",
-           KERNELS / "rope_kernel.h", KERNELS / "rope_tiling.h", KERNELS / "rope_math.h",
-           KERNELS / "rope_entry.h", *sorted((KERNELS / "kernels").glob("*.cpp"))]
+SOURCES = [HERE / "sim_main.cpp", HERE / "kernel_operator.h", *sorted(KERNELS.glob("*.h")),
+           *sorted((KERNELS / "kernels").glob("*.cpp"))]
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+ROPE, ROPE_GRAD, PROLOGUE, PROLOGUE_GRAD = range(4)  # the kernels of sim_main.cpp's rope_sim_launch
 
 
 class SimError(RuntimeError):
@@ -69,7 +69,7 @@ class Sim:
         self.lib = ctypes.CDLL(str(lib_path))
         self.lib.rope_sim_tiling.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         self.lib.rope_sim_launch.argtypes = [
-            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int64, ctypes.c_int64,
+            ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int64, ctypes.c_int64,
             ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64), ctypes.c_int,
             ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.c_char_p, ctypes.c_int]
         self.lib.rope_sim_sincos.argtypes = [ctypes.c_int32, ctypes.c_float, ctypes.POINTER(ctypes.c_float),
@@ -90,15 +90,23 @@ class Sim:
         self.lib.rope_sim_sincos(top, m, ctypes.byref(c), ctypes.byref(s))
         return c.value, s.value
 
-    def launch(self, views, tiling: dict, packed: bytes, inverse: bool, token_rows: bool = False) -> dict:
-        """Run the kernel for ``views`` (a _kernel_call.KernelViews of CPU tensors) with the
-        tiling dict/bytes. Returns statistics; raises SimError on any emulator check.
-        ``token_rows``: the kernel with the test-only TokenRowsSource (token_rows_source.h)."""
+    def launch(self, views, tiling: dict, packed: bytes, inverse: bool) -> dict:
+        """Run RotaryEmbedding(Grad) for ``views`` (a _kernel_call.KernelViews of CPU tensors) with
+        the tiling dict/bytes. Returns statistics; raises SimError on any emulator check."""
+        a = views.angles
+        tensors = [views.q, views.k, views.q_out, views.k_out, a.pos, a.cos, a.sin, a.freq_turns]
+        stats = self.run(ROPE_GRAD if inverse else ROPE, views.q.dtype, tensors, tiling, packed)
+        stats.update(q_io=stats["io"](views.q), q_out_io=stats["io"](views.q_out))
+        return stats
+
+    def run(self, kernel: int, dtype: torch.dtype, tensors: list, tiling: dict, packed: bytes) -> dict:
+        """Launch ``kernel`` on every core in turn with the entry's GM arguments ``tensors`` (CPU
+        tensors or None, in the entry's order; the tiling is appended). Statistics: peak UB,
+        instruction counters, cos/sin bytes read and written, and ``io(tensor)``: (read, written)
+        bytes of that tensor's storage."""
         tiling_buf = ctypes.create_string_buffer(packed, len(packed))
-        tensors = [views.q, views.k, views.q_out, views.k_out, views.pos, views.cos, views.sin,
-                   views.freq_turns]
         ptrs = [0 if t is None else t.data_ptr() for t in tensors] + [ctypes.addressof(tiling_buf)]
-        args = (ctypes.c_void_p * 9)(*[p or None for p in ptrs])
+        args = (ctypes.c_void_p * len(ptrs))(*[p or None for p in ptrs])
         # The memory the kernel may touch: each tensor's whole storage, and the tiling.
         regions, seen = [], set()
         for t in tensors:
@@ -114,9 +122,8 @@ class Sim:
         stats = (ctypes.c_int64 * 8)()
         reg_stats = (ctypes.c_int64 * (2 * len(regions)))()
         err = ctypes.create_string_buffer(512)
-        rc = self.lib.rope_sim_launch(int(token_rows), DTYPE_CODE[views.q.dtype], int(inverse), args, tiling["blockDim"],
-                                      tiling["ubSize"], reg_ptrs, reg_bytes, len(regions), stats,
-                                      reg_stats, err, 512)
+        rc = self.lib.rope_sim_launch(kernel, DTYPE_CODE[dtype], args, tiling["blockDim"], tiling["ubSize"],
+                                      reg_ptrs, reg_bytes, len(regions), stats, reg_stats, err, 512)
         if rc != 0:
             raise SimError(err.value.decode())
         by_ptr = {r[0]: (reg_stats[2 * i], reg_stats[2 * i + 1]) for i, r in enumerate(regions)}
@@ -124,6 +131,8 @@ class Sim:
         def io(t):
             return (0, 0) if t is None or not t.untyped_storage().nbytes() else by_ptr[t.untyped_storage().data_ptr()]
 
+        cos, sin = (tensors[5], tensors[6]) if kernel in (ROPE, ROPE_GRAD) else (
+            (tensors[7], tensors[8]) if kernel == PROLOGUE else (tensors[9], tensors[10]))
         return {"ub_peak": stats[0], "datacopypad_calls": stats[1], "vector_calls": stats[2],
-                "scalar_ub_writes": stats[3], "datacopy_calls": stats[4], "cos_io": io(views.cos), "sin_io": io(views.sin),
-                "q_io": io(views.q), "q_out_io": io(views.q_out)}
+                "scalar_ub_writes": stats[3], "datacopy_calls": stats[4], "cos_io": io(cos), "sin_io": io(sin),
+                "io": io}

@@ -9,12 +9,50 @@
 #include "kernels/rotary_embedding_grad_fp32.cpp"
 #include "kernels/rotary_embedding_grad_fp16.cpp"
 #include "kernels/rotary_embedding_grad_bf16.cpp"
-#include "token_rows_source.h"  // a second cos/sin source through the same kernel (test-only)
+#include "kernels/qkv_prologue_fp32.cpp"
+#include "kernels/qkv_prologue_fp16.cpp"
+#include "kernels/qkv_prologue_bf16.cpp"
+#include "kernels/qkv_prologue_grad_fp32.cpp"
+#include "kernels/qkv_prologue_grad_fp16.cpp"
+#include "kernels/qkv_prologue_grad_bf16.cpp"
 
 #undef ROPE_KERNEL_SIDE
 #include "rope_tiling.h"  // again, now with the host tiling
 
+namespace {
+
 typedef void (*RopeEntry)(GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR);
+typedef void (*PrologueEntry)(GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR,
+                              GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR);
+typedef void (*PrologueGradEntry)(GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR,
+                                  GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR, GM_ADDR);
+
+const RopeEntry kRope[2][3] = {
+    {rope_ops_rotary_embedding_fp32, rope_ops_rotary_embedding_fp16, rope_ops_rotary_embedding_bf16},
+    {rope_ops_rotary_embedding_grad_fp32, rope_ops_rotary_embedding_grad_fp16, rope_ops_rotary_embedding_grad_bf16}};
+const PrologueEntry kPrologue[3] = {rope_ops_qkv_prologue_fp32, rope_ops_qkv_prologue_fp16,
+                                    rope_ops_qkv_prologue_bf16};
+const PrologueGradEntry kPrologueGrad[3] = {rope_ops_qkv_prologue_grad_fp32, rope_ops_qkv_prologue_grad_fp16,
+                                            rope_ops_qkv_prologue_grad_bf16};
+
+// Entry arguments per kernel: 9 (rope), 16 (prologue), 17 (prologue grad).
+void run_entry(int kernel, int dtype, GM_ADDR* a) {
+    switch (kernel) {
+        case 0:
+        case 1:
+            kRope[kernel][dtype](a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
+            break;
+        case 2:
+            kPrologue[dtype](a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12], a[13],
+                             a[14], a[15]);
+            break;
+        default:
+            kPrologueGrad[dtype](a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[12],
+                                 a[13], a[14], a[15], a[16]);
+    }
+}
+
+}  // namespace
 
 extern "C" {
 
@@ -24,20 +62,14 @@ int rope_sim_tiling(RopeTiling* t, int64_t ubSize, int64_t coreNum) { return com
 
 int rope_sim_sincos(int32_t top, float m, float* c, float* s) { rope_sincos_turns(top, m, c, s); return 0; }
 
-// source: 0 the shipped entries (positions -> table rows), 1 TokenRowsSource. dtype: 0 fp32,
-// 1 fp16, 2 bf16. args: q, k, qOut, kOut, pos, cos, sin, freq, tiling (device pointers, some null). regions: nRegions (pointer, bytes) pairs, the only memory the kernel may
-// touch. stats out (8 int64): peak UB bytes, DataCopyPad calls, vector calls, scalar UB writes,
-// DataCopy calls,
-// then per-region read/write bytes are written to regionStats (2 per region).
-int rope_sim_launch(int source, int dtype, int grad, void** args, int64_t numBlocks, int64_t ubSize, void** regions,
+// kernel: 0 RotaryEmbedding, 1 its grad, 2 the prologue, 3 its grad. dtype: 0 fp32, 1 fp16,
+// 2 bf16. args: the entry's GM pointers (some null), the tiling last. regions: nRegions
+// (pointer, bytes) pairs, the only memory the kernel may touch. stats out (8 int64): peak UB
+// bytes, DataCopyPad calls, vector calls, scalar UB writes, DataCopy calls; per-region read/write
+// bytes are written to regionStats (2 per region).
+int rope_sim_launch(int kernel, int dtype, void** args, int64_t numBlocks, int64_t ubSize, void** regions,
                     const int64_t* regionBytes, int nRegions, int64_t* stats, int64_t* regionStats,
                     char* err, int errLen) {
-    static const RopeEntry entries[2][2][3] = {
-        {{rope_ops_rotary_embedding_fp32, rope_ops_rotary_embedding_fp16, rope_ops_rotary_embedding_bf16},
-         {rope_ops_rotary_embedding_grad_fp32, rope_ops_rotary_embedding_grad_fp16,
-          rope_ops_rotary_embedding_grad_bf16}},
-        {{rope_sim_token_rows_fp32, rope_sim_token_rows_fp16, rope_sim_token_rows_bf16},
-         {rope_sim_token_rows_grad_fp32, rope_sim_token_rows_grad_fp16, rope_sim_token_rows_grad_bf16}}};
     rope_sim::State& s = rope_sim::st();
     s.regions.clear();
     for (int i = 0; i < nRegions; ++i)
@@ -46,9 +78,7 @@ int rope_sim_launch(int source, int dtype, int grad, void** args, int64_t numBlo
     try {
         for (int64_t b = 0; b < numBlocks; ++b) {
             rope_sim::reset_core(b, numBlocks, (size_t)ubSize);
-            GM_ADDR a[9];
-            for (int i = 0; i < 9; ++i) a[i] = (GM_ADDR)args[i];
-            entries[source ? 1 : 0][grad ? 1 : 0][dtype](a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8]);
+            run_entry(kernel, dtype, reinterpret_cast<GM_ADDR*>(args));
         }
     } catch (const std::exception& e) {
         std::snprintf(err, errLen, "core %lld: %s", (long long)s.blockIdx, e.what());

@@ -1,0 +1,3 @@
+// The fused prologue (QKV split + RMSNorm + RoPE + KV-cache write), bf16.
+#include "../rope_entry.h"
+ROPE_PROLOGUE_ENTRY(rope_ops_qkv_prologue_bf16, bfloat16_t)

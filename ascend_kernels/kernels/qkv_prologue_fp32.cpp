@@ -1,0 +1,3 @@
+// The fused prologue (QKV split + RMSNorm + RoPE + KV-cache write), fp32.
+#include "../rope_entry.h"
+ROPE_PROLOGUE_ENTRY(rope_ops_qkv_prologue_fp32, float)
