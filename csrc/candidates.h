@@ -29,9 +29,11 @@ inline bool config_fits(const RopeParams& p, const RopeDevice& dev, const RopeCo
     case ROPE_GENERIC:
       return c.rows_on_the_fly == 0;
     case ROPE_HEADS: {
-      if (!f.vectors || c.heads_per_thread < 1 || c.heads_per_thread > 16) return false;
+      if (!(c.vector_bytes == 16 ? f.vectors : c.vector_bytes == 8 && f.vectors8)) return false;
+      if (c.heads_per_thread < 1 || c.heads_per_thread > 16) return false;
       if (c.schedule != ROPE_PIPE2_STREAM && c.schedule != ROPE_ROUNDS4_PLAIN) return false;
-      return heads_fits(plan_heads(p, f.V, f.neox, c.heads_per_thread, c.block_threads));
+      const int64_t V = c.vector_bytes / elem_bytes(p);
+      return heads_fits(plan_heads(p, V, f.neox, c.heads_per_thread, c.block_threads));
     }
     case ROPE_FLAT:
       return f.vectors && flat_ok(p, f.V) && flat_blocks_fit(p, f.V, c.flat_blocks, c.vectors);
@@ -47,14 +49,16 @@ inline bool config_fits(const RopeParams& p, const RopeDevice& dev, const RopeCo
 inline int config_label(const RopeConfig& c, char* buf, const int size) {
   char base[64];
   switch (c.family) {
-    case ROPE_HEADS:
+    case ROPE_HEADS: {
+      const char* family = c.vector_bytes == 8 ? "heads8" : "heads";
       if (c.heads_per_thread == 1)
-        snprintf(base, sizeof base, "heads/u1/t%d", c.block_threads);
+        snprintf(base, sizeof base, "%s/u1/t%d", family, c.block_threads);
       else
-        snprintf(base, sizeof base, "heads/%s/u%d/t%d",
+        snprintf(base, sizeof base, "%s/%s/u%d/t%d", family,
                  c.schedule == ROPE_ROUNDS4_PLAIN ? "rounds4" : "pipe2", c.heads_per_thread,
                  c.block_threads);
       break;
+    }
     case ROPE_FLAT:
       if (c.flat_blocks == ROPE_FLAT_SPLIT)
         snprintf(base, sizeof base, "flat/split/v%d", c.vectors);
@@ -88,22 +92,26 @@ inline bool parse_label(const char* label, RopeConfig& c) {
     }
   }
   int a = 0, b = 0, n = 0;
-  char sched[16];
+  char family[16], sched[16];
   const size_t len = strlen(text);
-  if (sscanf(text, "heads/u1/t%d%n", &a, &n) == 1 && (size_t)n == len) {
+  c.vector_bytes = 16;
+  if (sscanf(text, "%15[a-z0-9]/u1/t%d%n", family, &a, &n) == 2 && (size_t)n == len) {
     c.family = ROPE_HEADS;
     c.heads_per_thread = 1;
     c.block_threads = a;
-    return true;
-  }
-  if (sscanf(text, "heads/%15[a-z0-9]/u%d/t%d%n", sched, &a, &b, &n) == 3 && (size_t)n == len) {
+  } else if (sscanf(text, "%15[a-z0-9]/%15[a-z0-9]/u%d/t%d%n", family, sched, &a, &b, &n) == 4 &&
+             (size_t)n == len) {
     c.family = ROPE_HEADS;
     if (strcmp(sched, "pipe2") == 0) c.schedule = ROPE_PIPE2_STREAM;
     else if (strcmp(sched, "rounds4") == 0) c.schedule = ROPE_ROUNDS4_PLAIN;
     else return false;
     c.heads_per_thread = a;
     c.block_threads = b;
-    return a >= 2;
+    if (a < 2) return false;
+  }
+  if (c.family == ROPE_HEADS) {
+    if (strcmp(family, "heads8") == 0) c.vector_bytes = 8;
+    return strcmp(family, "heads") == 0 || c.vector_bytes == 8;
   }
   if (sscanf(text, "flat/split/v%d%n", &a, &n) == 1 && (size_t)n == len) {
     c.family = ROPE_FLAT;
@@ -149,21 +157,23 @@ void list_candidates(const RopeParams& p, const RopeDevice& dev, Out&& add) {
   const CallFacts f = facts_of(p, dev);
   if (f.nothing) return;
   RopeConfig c = config_of(ROPE_GENERIC, dev);
-  if (!f.vectors) {
-    offer(c);
-  } else {
-    for (const int most : {1, 2, 3, 4, 6, 8}) {
-      const int u = canonical_heads(most, f.heads);
-      for (const int threads : {128, 256}) {
-        for (const int schedule : {ROPE_PIPE2_STREAM, ROPE_ROUNDS4_PLAIN}) {
-          c = config_of(ROPE_HEADS, dev);
-          c.heads_per_thread = u;
-          c.block_threads = threads;
-          c.schedule = u == 1 ? 0 : schedule;
-          offer(c);
-        }
+  // the heads family with 16-byte vectors, or with 8-byte ones where only those fit
+  for (const int most : {1, 2, 3, 4, 6, 8}) {
+    const int u = canonical_heads(most, f.heads);
+    for (const int threads : {128, 256}) {
+      for (const int schedule : {ROPE_PIPE2_STREAM, ROPE_ROUNDS4_PLAIN}) {
+        c = config_of(ROPE_HEADS, dev);
+        c.vector_bytes = f.vectors ? 16 : 8;
+        c.heads_per_thread = u;
+        c.block_threads = threads;
+        c.schedule = u == 1 ? 0 : schedule;
+        offer(c);
       }
     }
+  }
+  if (!f.vectors) {
+    offer(config_of(ROPE_GENERIC, dev));
+  } else {
     for (const int blocks : {ROPE_FLAT_SEPARATE, ROPE_FLAT_JOINT}) {
       c = config_of(ROPE_FLAT, dev);
       c.flat_blocks = blocks;

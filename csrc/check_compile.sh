@@ -39,8 +39,10 @@ for cu in "$here"/*.cu; do
     name="$(basename "$cu" .cu)"
     log="$tmp/$name.sm_$a.log"
     echo "== nvcc sm_$a $(basename "$cu")"
+    keep="$tmp/keep.sm_$a"  # nvcc's intermediate files: the PTX it assembled, for the check below
+    mkdir -p "$keep"
     if "$nvcc" -gencode="arch=compute_$a,code=sm_$a" -O3 -std=c++17 -Xcompiler -fPIC \
-        "${torch_defs[@]}" -Xptxas -v -I"$here" -c "$cu" -o "$tmp/$name.sm_$a.o" >"$log" 2>&1; then
+        "${torch_defs[@]}" -Xptxas -v -keep -keep-dir "$keep" -I"$here" -c "$cu" -o "$tmp/$name.sm_$a.o" >"$log" 2>&1; then
       cat "$log"
       # Summary: kernel (demangled where c++filt exists), registers, spills.
       awk '/Compiling entry function/ {match($0, /'"'"'[^'"'"']+'"'"'/); k=substr($0, RSTART+1, RLENGTH-2)}
@@ -56,18 +58,19 @@ for cu in "$here"/*.cu; do
       fi
       # PTX sanity: every kernel still performs its memory accesses. (A self-recursive load
       # helper once let the compiler drop the position and cos/sin loads without a warning.)
-      if "$nvcc" -gencode="arch=compute_$a,code=compute_$a" -O3 -std=c++17 "${torch_defs[@]}" \
-          -I"$here" -ptx "$cu" -o "$tmp/$name.sm_$a.ptx" >>"$log" 2>&1; then
+      if cp "$keep/$name.ptx" "$tmp/$name.sm_$a.ptx" 2>>"$log"; then
         if ! awk '
           function check(   need, i, n, miss) {
             if (kern == "") return
-            # heads kernels: template <T, NEOX, SCHED, ST, HINT, Angles>; in the mangled name
+            # heads kernels: template <T, NEOX, SCHED, ST, HINT, Angles, VB>; in the mangled name
             # "ELi<SCHED>ELi<ST>ELi<HINT>E": pipe2 (1, 2, 2) streams loads and stores, rounds4
-            # (0, 4, 1) plain loads and stores, rounds1 (0, 1, 0) streams loads
-            pos_cs = "ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.v"
-            if (kern ~ /rope_heads_kernel.*ELi1ELi2ELi2E/) n = split("ld.global.cs.v4 st.global.cs.v4 " pos_cs, need, " ")
-            else if (kern ~ /rope_heads_kernel.*ELi0ELi4ELi1E/) n = split("ld.global.v4 st.global.v4 " pos_cs, need, " ")
-            else if (kern ~ /rope_heads_kernel.*ELi0ELi1ELi0E/) n = split("ld.global.cs.v4 st.global.v4 " pos_cs, need, " ")
+            # (0, 4, 1) plain loads and stores, rounds1 (0, 1, 0) streams loads; VB "Li16E" moves
+            # 16-byte vectors (v4), "Li8E" 8-byte ones (v2)
+            w = (kern ~ /TableAnglesELi8E/) ? "v2" : "v4"
+            pos_cs = "ld.global.nc.s32 ld.global.nc.s64" (w == "v4" ? " ld.global.nc.v" : "")
+            if (kern ~ /rope_heads_kernel.*ELi1ELi2ELi2E/) n = split("ld.global.cs." w " st.global.cs." w " " pos_cs, need, " ")
+            else if (kern ~ /rope_heads_kernel.*ELi0ELi4ELi1E/) n = split("ld.global." w " st.global." w " " pos_cs, need, " ")
+            else if (kern ~ /rope_heads_kernel.*ELi0ELi1ELi0E/) n = split("ld.global.cs." w " st.global." w " " pos_cs, need, " ")
             else if (kern ~ /rope_heads_kernel/) { print "unknown heads kernel " kern; bad = 1; n = 0 }
             else if (kern ~ /rope_flat_(split_)?kernel/) n = split("ld.global.v4 st.global.v4 " pos_cs, need, " ")
             else if (kern ~ /rope_lean_kernel/) n = split("ld.global.v4 st.global.v4 " pos_cs, need, " ")
@@ -75,8 +78,9 @@ for cu in "$here"/*.cu; do
             else if (kern ~ /rope_generic_kernel/) n = split("ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.f32 st.global", need, " ")
             else n = 0
             for (i = 1; i <= n; i++) if (index(body, need[i]) == 0) { print "missing " need[i] " in " kern; bad = 1 }
+            if (kern ~ /rope_/ && body !~ /ld\.global\.nc(\.v[24])?\.f32/) { print "no cos/sin table load in " kern; bad = 1 }
             if (index(body, "call") != 0 && kern ~ /rope_/) { print "unexpected call in " kern; bad = 1 }
-            # data moves as 16-byte vectors only: nvcc once split a plain uint4 store into four
+            # data moves as whole vectors only: nvcc once split a plain uint4 store into four
             # 32-bit stores in the flat kernel (3-4 % slower on the H200), with no warning
             if (kern ~ /rope_(heads|flat|flat_split|rows|lean)_kernel/ && body ~ /st\.global(\.wb|\.cs)?\.(u|b)32/) { print "32-bit stores in " kern; bad = 1 }
             kernels++

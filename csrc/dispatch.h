@@ -10,19 +10,25 @@
 namespace rope_ops_cuda {
 namespace {
 
+template <typename T, bool NEOX, int VB, class Exec>
+cudaError_t run_heads(const RopeParams& p, const RopeConfig& c, Exec& exec) {
+  const HeadsPlan plan = plan_heads(p, VecInfo<T, VB>::kVec, NEOX, c.heads_per_thread, c.block_threads);
+  const bool fly = c.rows_on_the_fly != 0;
+  if (plan.hl >= p.Hq + p.Hk)  // one head per thread: the kernel with the fewest registers
+    return exec.template heads<T, NEOX, SCHED_ROUNDS, 1, HINT_STREAM, Angles, VB>(p, plan, fly);
+  if (c.schedule == ROPE_ROUNDS4_PLAIN)
+    return exec.template heads<T, NEOX, SCHED_ROUNDS, 4, HINT_PLAIN, Angles, VB>(p, plan, fly);
+  return exec.template heads<T, NEOX, SCHED_PIPE, 2, HINT_STREAM_ST, Angles, VB>(p, plan, fly);
+}
+
 template <typename T, bool NEOX, class Exec>
 cudaError_t run_typed(const RopeParams& p, const RopeDevice& dev, const RopeConfig& c, Exec& exec) {
   constexpr int V = VecInfo<T>::kVec;
   const bool fly = c.rows_on_the_fly != 0;
   switch (c.family) {
-    case ROPE_HEADS: {
-      const HeadsPlan plan = plan_heads(p, V, NEOX, c.heads_per_thread, c.block_threads);
-      if (plan.hl >= p.Hq + p.Hk)  // one head per thread: the kernel with the fewest registers
-        return exec.template heads<T, NEOX, SCHED_ROUNDS, 1, HINT_STREAM, Angles>(p, plan, fly);
-      if (c.schedule == ROPE_ROUNDS4_PLAIN)
-        return exec.template heads<T, NEOX, SCHED_ROUNDS, 4, HINT_PLAIN, Angles>(p, plan, fly);
-      return exec.template heads<T, NEOX, SCHED_PIPE, 2, HINT_STREAM_ST, Angles>(p, plan, fly);
-    }
+    case ROPE_HEADS:
+      if (c.vector_bytes == 8) return run_heads<T, NEOX, 8>(p, c, exec);
+      return run_heads<T, NEOX, 16>(p, c, exec);
     case ROPE_FLAT: {
       const FlatPlan plan = plan_flat<Angles>(p, V, c.flat_blocks, c.vectors);
       const int u = plan.vectors_per_thread;

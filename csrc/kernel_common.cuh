@@ -51,9 +51,22 @@ ROPE_HD T ld_stream(const T* ptr) {
 #endif
 }
 
-template <typename T>
+// The data vectors: 16 bytes (uint4), or 8 (uint2) where rotary halves are whole 8-byte vectors
+// only (head_dim 96 with rotary 24 in bf16: halves of 24 bytes).
+template <int VB>
+struct Vec;
+template <>
+struct Vec<16> {
+  using type = uint4;
+};
+template <>
+struct Vec<8> {
+  using type = uint2;
+};
+
+template <typename T, int VB = 16>
 struct VecInfo {
-  static constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte vector
+  static constexpr int kVec = VB / sizeof(T);  // elements per vector
 };
 
 template <typename To, typename From>
@@ -123,6 +136,35 @@ ROPE_HD uint4 pack16<__nv_bfloat16>(const float* f) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// 8-byte vectors: the first half of the 16-byte ones.
+template <typename T>
+ROPE_HD void unpack8(const uint2& v, float* f) {
+  float g[8];
+  unpack16<T>(make_uint4(v.x, v.y, 0, 0), g);
+#pragma unroll
+  for (int i = 0; i < 8 / (int)sizeof(T); ++i) f[i] = g[i];
+}
+
+template <typename T>
+ROPE_HD uint2 pack8(const float* f) {
+  float g[8] = {};
+#pragma unroll
+  for (int i = 0; i < 8 / (int)sizeof(T); ++i) g[i] = f[i];
+  const uint4 v = pack16<T>(g);
+  return make_uint2(v.x, v.y);
+}
+
+// unpack16 / pack16 or unpack8 / pack8, by vector type.
+template <typename T>
+ROPE_HD void unpack_vec(const uint4& v, float* f) { unpack16<T>(v, f); }
+template <typename T>
+ROPE_HD void unpack_vec(const uint2& v, float* f) { unpack8<T>(v, f); }
+template <typename T, typename VT>
+ROPE_HD VT pack_vec(const float* f) {
+  if constexpr (sizeof(VT) == 16) return pack16<T>(f);
+  else return pack8<T>(f);
+}
+
 ROPE_HD float to_f32(float x) { return x; }
 ROPE_HD float to_f32(__half x) { return __half2float(x); }
 ROPE_HD float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -144,9 +186,9 @@ ROPE_HD __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
 //   HINT_STREAM_ST: evict-first loads and stores (st.global.cs).
 enum { HINT_STREAM = 0, HINT_PLAIN = 1, HINT_STREAM_ST = 2 };
 
-template <int HINT>
-ROPE_HD uint4 ld_data(const void* ptr) {
-  const uint4* p = reinterpret_cast<const uint4*>(ptr);
+template <int HINT, typename VT = uint4>
+ROPE_HD VT ld_data(const void* ptr) {
+  const VT* p = reinterpret_cast<const VT*>(ptr);
   if constexpr (HINT == HINT_PLAIN) {
     return *p;
   } else {
@@ -168,6 +210,20 @@ ROPE_HD void st_data(void* ptr, const uint4& v) {
     asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
                  "r"(v.w)
                  : "memory");
+  }
+#else
+  *p = v;
+#endif
+}
+
+template <int HINT>
+ROPE_HD void st_data(void* ptr, const uint2& v) {
+  uint2* p = reinterpret_cast<uint2*>(ptr);
+#ifdef __CUDA_ARCH__
+  if constexpr (HINT == HINT_STREAM_ST) {
+    __stcs(p, v);
+  } else {
+    asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
   }
 #else
   *p = v;

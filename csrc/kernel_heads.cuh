@@ -56,9 +56,10 @@ ROPE_HD ThreadIdx decompose(const RopeParams& p, const int CT, const int HL, con
   return r;
 }
 
-template <typename T, bool NEOX, int ST, int HINT, class Angles>
+template <typename T, bool NEOX, int ST, int HINT, class Angles, int VB>
 struct HeadsThread {
-  static constexpr int V = VecInfo<T>::kVec;
+  using VT = typename Vec<VB>::type;
+  static constexpr int V = VecInfo<T, VB>::kVec;
   static constexpr int NC = NEOX ? V : V / 2;
   const RopeParams& p;
   long long Ht, half, HL;
@@ -104,20 +105,20 @@ struct HeadsThread {
   }
 
   // Loads of heads h0, h0 + HL, ... (ST of them, those < Ht).
-  ROPE_HD void load(const long long h0, uint4* va, uint4* vb) const {
+  ROPE_HD void load(const long long h0, VT* va, VT* vb) const {
 #pragma unroll
     for (int u = 0; u < ST; ++u) {
       const long long h = h0 + (long long)u * HL;
       if (h < Ht) {
         const bool isq = h < p.Hq;
         const T* src = isq ? q_tok + h * p.q_stride[2] : k_tok + (h - p.Hq) * p.k_stride[2];
-        va[u] = ld_data<HINT>(src);
-        if (NEOX && rot) vb[u] = ld_data<HINT>(src + half);
+        va[u] = ld_data<HINT, VT>(src);
+        if (NEOX && rot) vb[u] = ld_data<HINT, VT>(src + half);
       }
     }
   }
 
-  ROPE_HD void store(const long long h0, const uint4* va, const uint4* vb) const {
+  ROPE_HD void store(const long long h0, const VT* va, const VT* vb) const {
 #pragma unroll
     for (int u = 0; u < ST; ++u) {
       const long long h = h0 + (long long)u * HL;
@@ -128,24 +129,24 @@ struct HeadsThread {
           st_data<HINT>(dst, va[u]);
         } else if (NEOX) {
           float x[V], y[V], xo[V], yo[V];
-          unpack16<T>(va[u], x);
-          unpack16<T>(vb[u], y);
+          unpack_vec<T>(va[u], x);
+          unpack_vec<T>(vb[u], y);
 #pragma unroll
           for (int j = 0; j < V; ++j) {
             xo[j] = fmaf(x[j], cs[j], -y[j] * sn[j]);
             yo[j] = fmaf(y[j], cs[j], x[j] * sn[j]);
           }
-          st_data<HINT>(dst, pack16<T>(xo));
-          st_data<HINT>(dst + half, pack16<T>(yo));
+          st_data<HINT>(dst, pack_vec<T, VT>(xo));
+          st_data<HINT>(dst + half, pack_vec<T, VT>(yo));
         } else {
           float x[V], o[V];
-          unpack16<T>(va[u], x);
+          unpack_vec<T>(va[u], x);
 #pragma unroll
           for (int j = 0; j < V / 2; ++j) {
             o[2 * j] = fmaf(x[2 * j], cs[j], -x[2 * j + 1] * sn[j]);
             o[2 * j + 1] = fmaf(x[2 * j + 1], cs[j], x[2 * j] * sn[j]);
           }
-          st_data<HINT>(dst, pack16<T>(o));
+          st_data<HINT>(dst, pack_vec<T, VT>(o));
         }
       }
     }
@@ -153,16 +154,17 @@ struct HeadsThread {
 };
 
 // The whole of thread gid's work.
-template <typename T, bool NEOX, int SCHED, int ST, int HINT, class Angles>
+template <typename T, bool NEOX, int SCHED, int ST, int HINT, class Angles, int VB>
 ROPE_HD void heads_thread(const RopeParams& p, const int CR, const int CT, const int HL,
                           const long long gid, const long long total, const bool fly) {
+  using VT = typename Vec<VB>::type;
   int lane = 0;
-  HeadsThread<T, NEOX, ST, HINT, Angles> th(p, CR, CT, HL, gid, total, fly, lane);
+  HeadsThread<T, NEOX, ST, HINT, Angles, VB> th(p, CR, CT, HL, gid, total, fly, lane);
   const long long step = (long long)HL * ST;
   if constexpr (SCHED == SCHED_ROUNDS) {
     bool have_cs = false;
     for (long long h0 = lane; h0 < th.Ht; h0 += step) {
-      uint4 va[ST], vb[ST];
+      VT va[ST], vb[ST];
       th.load(h0, va, vb);
       if (!have_cs) {
         th.load_cs();
@@ -171,12 +173,12 @@ ROPE_HD void heads_thread(const RopeParams& p, const int CR, const int CT, const
       th.store(h0, va, vb);
     }
   } else {
-    uint4 va[ST], vb[ST];
+    VT va[ST], vb[ST];
     long long h0 = lane;
     th.load(h0, va, vb);
     th.load_cs();
     for (; h0 < th.Ht; h0 += step) {
-      uint4 na[ST], nb[ST];
+      VT na[ST], nb[ST];
       if (h0 + step < th.Ht) th.load(h0 + step, na, nb);
       th.store(h0, va, vb);
 #pragma unroll
@@ -188,12 +190,12 @@ ROPE_HD void heads_thread(const RopeParams& p, const int CR, const int CT, const
   }
 }
 
-template <typename T, bool NEOX, int SCHED, int ST, int HINT, class Angles>
+template <typename T, bool NEOX, int SCHED, int ST, int HINT, class Angles, int VB>
 __global__ void __launch_bounds__(kHeadsMaxThreads)
     rope_heads_kernel(const __grid_constant__ RopeParams p, const int CR, const int CT, const int HL,
                       const long long total, const int on_the_fly) {
   const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (gid < total) heads_thread<T, NEOX, SCHED, ST, HINT, Angles>(p, CR, CT, HL, gid, total, on_the_fly != 0);
+  if (gid < total) heads_thread<T, NEOX, SCHED, ST, HINT, Angles, VB>(p, CR, CT, HL, gid, total, on_the_fly != 0);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 // on the same device always gets the same configuration.
 //
 // The rules, in order (numbers: H200, 2026-12-01, NOTES.md):
-//  1. 16-byte vectors must fit (aligned bases, strides and rotary halves in whole vectors), else
-//     the generic kernel.
+//  1. 16-byte vectors must fit (aligned bases, strides and rotary halves in whole vectors); where
+//     only 8-byte ones do (bf16 rotary halves of 24 bytes: GPT-NeoX-20B's rotary 24), the heads
+//     family with 8-byte vectors; else the generic kernel (one thread per pair).
 //  2. Decode-sized calls (fewer 16-byte chunks than 2048 per SM: less than one full wave of
 //     threads at one chunk each) are latency-bound: the flat kernel, a block per token (q and k
 //     together), data loads issued before the position -> cos/sin chain; when the tokens are too
@@ -42,11 +43,9 @@ constexpr int64_t kRowsMinRotaryBytes = 128;   // rule 3
 constexpr int64_t kFlatMinBlockBytes = 8192;   // rule 4
 constexpr int64_t kManyHeads = 64;             // rule 5
 
-inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
-
 inline bool tensor_vectors_fit(const void* ptr, const int64_t* st, int64_t B, int64_t S, int64_t H,
-                               int64_t V) {
-  if (!aligned16(ptr) || st[3] != 1) return false;
+                               int64_t V, int64_t vector_bytes) {
+  if ((reinterpret_cast<uintptr_t>(ptr) & (vector_bytes - 1)) != 0 || st[3] != 1) return false;
   if (B > 1 && st[0] % V != 0) return false;
   if (S > 1 && st[1] % V != 0) return false;
   if (H > 1 && st[2] % V != 0) return false;
@@ -62,6 +61,7 @@ struct CallFacts {
   int64_t chunks;     // the heads family's threads at one head per thread
   bool nothing;       // no tokens or no heads
   bool vectors;       // 16-byte vectors fit (the heads, flat, lean and rows families)
+  bool vectors8;      // 8-byte vectors fit (the heads family)
   bool neox, in_place;
   bool decode;        // rule 2
 };
@@ -79,6 +79,21 @@ inline bool params_ok(const RopeParams& p) {
   return true;
 }
 
+// Whether every tensor, the rotary halves (pairs, GPT-J) and the pass-through dims are whole
+// vectors of `vector_bytes`, and the table reads suit them.
+inline bool vectors_fit(const RopeParams& p, const int64_t vector_bytes) {
+  const int64_t V = vector_bytes / elem_bytes(p);
+  bool fit = p.interleaved ? p.R % V == 0 : (p.R / 2) % V == 0;
+  if (p.copy_passthrough && p.D % V != 0) fit = false;
+  if (p.Hq > 0 && (!tensor_vectors_fit(p.q, p.q_stride, p.B, p.S, p.Hq, V, vector_bytes) ||
+                   !tensor_vectors_fit(p.q_out, p.q_out_stride, p.B, p.S, p.Hq, V, vector_bytes)))
+    fit = false;
+  if (p.Hk > 0 && (!tensor_vectors_fit(p.k, p.k_stride, p.B, p.S, p.Hk, V, vector_bytes) ||
+                   !tensor_vectors_fit(p.k_out, p.k_out_stride, p.B, p.S, p.Hk, V, vector_bytes)))
+    fit = false;
+  return fit && Angles::aligned(p, (int)(p.interleaved ? V / 2 : V));
+}
+
 inline CallFacts facts_of(const RopeParams& p, const RopeDevice& dev) {
   CallFacts f{};
   f.V = 16 / elem_bytes(p);
@@ -87,16 +102,9 @@ inline CallFacts facts_of(const RopeParams& p, const RopeDevice& dev) {
   f.nothing = f.tokens == 0 || f.heads == 0;
   f.neox = !p.interleaved;
   f.in_place = !p.copy_passthrough;
-  const int64_t V = f.V;
-  bool vec = p.interleaved ? p.R % V == 0 : (p.R / 2) % V == 0;
-  if (p.copy_passthrough && p.D % V != 0) vec = false;
-  if (p.Hq > 0 && (!tensor_vectors_fit(p.q, p.q_stride, p.B, p.S, p.Hq, V) ||
-                   !tensor_vectors_fit(p.q_out, p.q_out_stride, p.B, p.S, p.Hq, V)))
-    vec = false;
-  if (p.Hk > 0 && (!tensor_vectors_fit(p.k, p.k_stride, p.B, p.S, p.Hk, V) ||
-                   !tensor_vectors_fit(p.k_out, p.k_out_stride, p.B, p.S, p.Hk, V)))
-    vec = false;
-  f.vectors = vec && Angles::aligned(p, (int)(f.neox ? V : V / 2));
+  f.vectors = vectors_fit(p, 16);
+  f.vectors8 = vectors_fit(p, 8);
+  const int64_t V = f.vectors || !f.vectors8 ? f.V : f.V / 2;  // the heads family's vectors
   const int64_t rotary_chunks = f.neox ? (p.R / 2) / V : p.R / V;
   const int64_t copy_chunks = (p.copy_passthrough && p.D > p.R) ? (p.D - p.R) / V : 0;
   f.chunks = f.tokens * f.heads * (rotary_chunks + copy_chunks);
@@ -107,6 +115,7 @@ inline CallFacts facts_of(const RopeParams& p, const RopeDevice& dev) {
 inline RopeConfig config_of(const int family, const RopeDevice& dev) {
   RopeConfig c{};
   c.family = family;
+  c.vector_bytes = 16;
   c.pdl = dev.pdl;
   return c;
 }
@@ -160,7 +169,14 @@ inline RopeConfig decode_flat_config(const RopeParams& p, const CallFacts& f, co
 inline RopeConfig choose(const RopeParams& p, const RopeDevice& dev) {
   const CallFacts f = facts_of(p, dev);
   if (f.nothing) return config_of(ROPE_NOTHING, dev);
-  if (!f.vectors) return config_of(ROPE_GENERIC, dev);  // rule 1
+  if (!f.vectors) {  // rule 1
+    if (!f.vectors8) return config_of(ROPE_GENERIC, dev);
+    RopeConfig c = f.decode ? heads_config(p, f, dev, ROPE_PIPE2_STREAM, 2, 128, 256)
+                   : f.neox ? heads_config(p, f, dev, ROPE_PIPE2_STREAM, 4, 2048, 256)
+                            : heads_config(p, f, dev, ROPE_ROUNDS4_PLAIN, 8, 4096, 128);
+    c.vector_bytes = 8;
+    return c;
+  }
   if (f.decode) {  // rule 2
     if (flat_ok(p, f.V)) return decode_flat_config(p, f, dev);
     return heads_config(p, f, dev, ROPE_PIPE2_STREAM, 2, 128, 256);

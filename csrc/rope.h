@@ -89,6 +89,7 @@ enum RopeFlatBlocks {
 
 typedef struct RopeConfig {
   int family;            // RopeFamily
+  int vector_bytes;      // ROPE_HEADS: 16, or 8 where rotary halves are whole 8-byte vectors only
   int schedule;          // ROPE_HEADS: RopeHeadsSchedule
   int heads_per_thread;  // ROPE_HEADS: 1 .. 16
   int block_threads;     // ROPE_HEADS: 64, 128 or 256

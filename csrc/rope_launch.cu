@@ -31,9 +31,9 @@ struct Launcher {
   cudaStream_t stream;
   bool pdl;
 
-  template <typename T, bool NEOX, int SCHED, int ST, int HINT, class A>
+  template <typename T, bool NEOX, int SCHED, int ST, int HINT, class A, int VB>
   cudaError_t heads(const RopeParams& p, const HeadsPlan& f, const bool fly) {
-    return launch_kernel(rope_heads_kernel<T, NEOX, SCHED, ST, HINT, A>, f.blocks, f.threads, pdl,
+    return launch_kernel(rope_heads_kernel<T, NEOX, SCHED, ST, HINT, A, VB>, f.blocks, f.threads, pdl,
                          stream, p, (int)f.CR, (int)f.CT, (int)f.hl, (long long)f.total, fly ? 1 : 0);
   }
 

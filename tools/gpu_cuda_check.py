@@ -317,14 +317,20 @@ def accuracy(rn: Runner):
                          inplace=False, inverse=False, pos_kind=pk)
                 run_case(rn, dtype=dtype, style=style, layout=layout, D=96, r=96, Hq=2, Hk=1,
                          inplace=True, inverse=True, pos_kind="bs")
+                # rotary halves (GPT-J: rotary dims) of whole 8-byte vectors only (GPT-NeoX-20B's
+                # rotary 24 in bf16): the heads family with 8-byte vectors
+                r8 = eight_byte_rotary(dtype, style)
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=96, r=r8, Hq=4, Hk=2,
+                         inplace=layout in ("sbhd", "thd"), inverse=False, pos_kind=pk)
                 # positions up to +-2^40 (rows from the fixed-point frequencies), [B, S] and offset
                 run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=128, Hq=2, Hk=2,
                          inplace=False, inverse=False, pos_kind="bs", huge=True, m=0.75)
                 run_case(rn, dtype=dtype, style=style, layout=layout, D=64, r=32, Hq=2, Hk=1,
                          inplace=True, inverse=True, pos_kind="offset", huge=True)
-                # generic kernel: odd number of pairs per half, no k
+                # an odd number of pairs per half, no k: the generic kernel (float32 GPT-J pairs
+                # are whole 8-byte vectors: the heads family)
                 run_case(rn, dtype=dtype, style=style, layout=layout, D=80, r=34, Hq=3, Hk=0,
-                         inplace=False, inverse=False, expect_generic=True)
+                         inplace=False, inverse=False, expect_generic=not fp32_gptj(dtype, style))
                 # generic kernel: stride 2 on head_dim, in place
                 run_case(rn, dtype=dtype, style=style, layout=layout, D=64, r=48, Hq=2, Hk=2,
                          inplace=True, inverse=True, kind="lastdim", expect_generic=True)
@@ -344,7 +350,19 @@ def accuracy(rn: Runner):
     # a big table, many tokens: more than one wave of threads (not decode-sized)
     run_case(rn, dtype=torch.bfloat16, style="neox", layout="bshd", D=128, r=128, Hq=8, Hk=2,
              B=3, S=700, inplace=False, inverse=False, rows=131072, base=500000.0)
-    coverage(rn)
+
+
+def fp32_gptj(dtype, style) -> bool:
+    """float32 GPT-J pairs fill 8-byte vectors whatever rotary_dim is."""
+    return dtype == torch.float32 and style == "gptj"
+
+
+def eight_byte_rotary(dtype, style) -> int:
+    """A rotary_dim whose halves (GPT-J: whole rotary dims) are whole 8-byte vectors but not
+    16-byte ones."""
+    if torch.empty((), dtype=dtype).element_size() == 2:
+        return 24 if style == "neox" else 20
+    return 20 if style == "neox" else 10
 
 
 # Heads per call that reach every instantiation of the flat and lean kernels (their vectors per
@@ -355,8 +373,9 @@ COVERAGE_HEADS = {2: ((4, 4), (12, 4), (24, 8), (40, 8), (48, 16)),
 
 def coverage(rn: Runner):
     """Calls whose candidates reach every kernel instantiation: each vectors-per-thread count of
-    the flat (separate, joint, split) and lean kernels, every heads schedule, the rows kernel
-    (in place, partial rotary) and the generic kernel, for every dtype and style. Few tokens each,
+    the flat (separate, joint, split) and lean kernels, every heads schedule with 16- and 8-byte
+    vectors, the rows kernel (in place, partial rotary) and the generic kernel, for every dtype
+    and style. Few tokens each,
     so this pass is short enough for compute-sanitizer (--coverage)."""
     print("\n== coverage: every kernel instantiation")
     for dtype in DTYPES:
@@ -367,8 +386,13 @@ def coverage(rn: Runner):
                          B=1, S=3, inplace=False, inverse=i % 2 == 1, pos_kind="bs", seed=40 + i)
             run_case(rn, dtype=dtype, style=style, layout="bshd", D=128, r=64, Hq=3, Hk=1, B=2,
                      S=5, inplace=True, inverse=False, pos_kind="s", seed=46)
+            run_case(rn, dtype=dtype, style=style, layout="bshd", D=96, r=eight_byte_rotary(dtype, style),
+                     Hq=5, Hk=3, B=1, S=3, inplace=False, inverse=True, pos_kind="s", seed=48)
             run_case(rn, dtype=dtype, style=style, layout="bshd", D=40, r=18, Hq=2, Hk=1, B=1,
-                     S=3, inplace=False, inverse=False, expect_generic=True, seed=47)
+                     S=3, inplace=False, inverse=False, expect_generic=not fp32_gptj(dtype, style),
+                     seed=47)
+            run_case(rn, dtype=dtype, style=style, layout="bshd", D=64, r=64, Hq=2, Hk=1, B=1,
+                     S=3, inplace=True, inverse=False, kind="lastdim", expect_generic=True, seed=49)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -752,9 +776,8 @@ def main() -> int:
     print(f"extension ready in {time.time() - t0:.1f} s (cache {cb.cache_dir()})")
     rn = Runner(cb._module(), "cuda", every_candidate=not a.choice_only)
     rn.verbose = a.verbose
-    if a.coverage:
-        coverage(rn)
-    else:
+    coverage(rn)
+    if not a.coverage:
         accuracy(rn)
         alloc_outputs(rn)
         autograd_in_cpp(rn)

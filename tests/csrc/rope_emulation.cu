@@ -32,11 +32,12 @@ void record(const char* family, const std::string& rest) {
 }
 
 struct Emulator {
-  template <typename T, bool NEOX, int SCHED, int ST, int HINT, class A>
+  template <typename T, bool NEOX, int SCHED, int ST, int HINT, class A, int VB>
   cudaError_t heads(const RopeParams& p, const HeadsPlan& f, const bool fly) {
-    record<T, NEOX>("heads", std::string(",") + (SCHED == SCHED_PIPE ? "pipe" : "rounds") + std::to_string(ST));
+    record<T, NEOX>(VB == 8 ? "heads8" : "heads",
+                    std::string(",") + (SCHED == SCHED_PIPE ? "pipe" : "rounds") + std::to_string(ST));
     for (long long g = 0; g < f.total; ++g)
-      heads_thread<T, NEOX, SCHED, ST, HINT, A>(p, (int)f.CR, (int)f.CT, (int)f.hl, g, f.total, fly);
+      heads_thread<T, NEOX, SCHED, ST, HINT, A, VB>(p, (int)f.CR, (int)f.CT, (int)f.hl, g, f.total, fly);
     return cudaSuccess;
   }
 
