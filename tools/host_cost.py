@@ -9,7 +9,10 @@ keeps its guard; per call); the same call through
 the dispatcher (torch.ops.rope_ops.rope, as torch.compile would); apply with autograd recording
 (forward only); apply forward+backward (into leaf .grad, accumulating) and forward +
 torch.autograd.grad (q, k as activations), next to torch's own floor for the latter: an
-autograd.Function whose forward and backward only allocate. Wall time per call over a plain loop, synchronised once.
+autograd.Function whose forward and backward only allocate. Where the backend's bound launcher
+records autograd itself (``with_grad``: the CUDA backend's, in C++), forward + autograd.grad
+through it too: what apply's plans of training calls cost when they use it. Wall time per call
+over a plain loop, synchronised once.
 """
 
 from __future__ import annotations
@@ -55,10 +58,13 @@ def main() -> None:
     rope_local = rope_ops.RotaryEmbedding(128, base=10000.0, max_position=131072, device=device)
     name = args.backend or rope_ops.select_backend(q, k, pos, rope=rope)
     backend = registry.get(name)
-    cos, sin, turns = rope.tables(device)
+    why = backend.availability()
+    if why:
+        raise SystemExit(f"backend {name} unavailable: {'; '.join(why)}")
+    cos, sin, turns, factor = rope.tables(device)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    kernel_args = KernelArgs(q, k, q_out, k_out, pos, 0, cos, sin, turns, rope.attention_factor, "thd",
-                             128, False, False, False)
+    kernel_args = KernelArgs(q, k, q_out, k_out, pos, 0, cos, sin, turns, factor, "thd", 128, False,
+                             False, False)
     qg, kg = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
 
     def fwd_bwd():
@@ -92,12 +98,20 @@ def main() -> None:
             lambda: rope_ops.apply(q, k, pos, rope=rope, backend=name),
             lambda: rope_ops.apply(q, k, pos, rope=rope_local, backend=name)),
         "torch.ops.rope_ops.rope (dispatcher path)": lambda: torch.ops.rope_ops.rope(
-            q, k, pos, 0, None, None, rope.key, "thd", 128, False, False, name),
+            q, k, pos, 0, cos, sin, turns, factor, "thd", 128, False, False, "table", [], False,
+            False, name),
         "rope_ops.apply recording autograd (forward)": lambda: rope_ops.apply(qg, kg, pos, rope=rope, backend=name),
         "rope_ops.apply forward + backward": fwd_bwd,
         "rope_ops.apply forward + autograd.grad": fwd_grad,
         "floor: empty autograd.Function + autograd.grad": identity_grad,
     }
+    bound = backend.bind(cos, sin, turns, factor, "thd", 128, False, False)
+    if hasattr(bound, "with_grad"):
+        def bound_grad():
+            a, b = bound.with_grad(qg, kg, pos, 0)
+            return torch.autograd.grad((a, b), (qg, kg), (q, k))
+
+        rows["bound launcher, autograd in the backend: forward + autograd.grad"] = bound_grad
     print(f"host cost per call, W2 shapes, backend {name}, device {device}, torch {torch.__version__}")
     for label, fn in rows.items():
         print(f"  {label:48s} {per_call(fn, device):8.1f} us")
