@@ -118,10 +118,12 @@ class Case:
 
     def check_forward(self, what):
         ref_q, ref_k, ref_v = prologue_reference(self.before, self.args.pos, **self.ref_kw)
-        norm_q, norm_k, _ = prologue_reference(self.before, None, **{**self.ref_kw, "rotate": False})
+        norm_q, norm_k, _ = prologue_reference(self.before, None,
+                                               **{**self.ref_kw, "rotate": False})
         R = self.R if self.args.rotate else 0
         q, k, v = self.outputs()
-        for out, ref, x, w, name in ((q, ref_q, norm_q, self.q_w, "q"), (k, ref_k, norm_k, self.k_w, "k")):
+        for out, ref, x, w, name in ((q, ref_q, norm_q, self.q_w, "q"),
+                                     (k, ref_k, norm_k, self.k_w, "k")):
             assert_rope_close(out, ref, x, rotary_dim=R, style=self.style, what=f"{what} {name}",
                               passthrough_exact=w is None)
         assert_bitwise_equal(v.to("cpu", torch.float64), ref_v, f"{what} v")
@@ -160,7 +162,8 @@ def test_forward(name):
     case.check_forward(name)
 
 
-@pytest.mark.parametrize("label", ["walk t2 hq2 hk1 w1", "grid t1 hq2 hk1 w2", "grid t4 hq4 hk1 w4"])
+@pytest.mark.parametrize("label",
+                         ["walk t2 hq2 hk1 w1", "grid t1 hq2 hk1 w2", "grid t4 hq4 hk1 w4"])
 def test_forward_both_grids(label):
     """The token walk and the head grid (q, k and v chunks as separate programs), chunks that
     pad heads (3 q heads in chunks of 2 or 4)."""
@@ -228,7 +231,8 @@ def assert_grad_close(got, ref, dtype, what, rel=1e-5):
     prologue bound)."""
     got64 = got.detach().to("cpu", torch.float64)
     scale = ref.abs().max().clamp_min(1.0)
-    bound = rel * scale + ulp(ref, dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32)
+    low_precision = dtype in (torch.bfloat16, torch.float16)
+    bound = rel * scale + ulp(ref, dtype if low_precision else torch.float32)
     err = (got64 - ref).abs()
     assert not (err > bound).any(), f"{what}: worst error {err.max().item():.3g}"
 
@@ -269,9 +273,10 @@ def test_backward(name):
     kw, given, label = BACKWARD_CASES[name]
     case = Case(seed=4, **kw)
     gen = torch.Generator().manual_seed(5)
-    lead, hq, hk, d = case.qkv.shape[:-1], case.args.num_q_heads, case.args.num_kv_heads, case.args.head_dim
-    grads = [torch.randn(*lead, h, d, generator=gen).to(case.dtype).to(DEVICE) if n in given else None
-             for h, n in ((hq, "q"), (hk, "k"), (hk, "v"))]
+    lead, d = case.qkv.shape[:-1], case.args.head_dim
+    hq, hk = case.args.num_q_heads, case.args.num_kv_heads
+    grads = [torch.randn(*lead, h, d, generator=gen).to(case.dtype).to(DEVICE)
+             if n in given else None for h, n in ((hq, "q"), (hk, "k"), (hk, "v"))]
     got = tp.run_prologue_backward(case.args, *grads, label=label)
     ref_x, ref_qw, ref_kw = reference_backward(case, grads)
     assert got[0].shape == case.qkv.shape and got[0].dtype == case.dtype
