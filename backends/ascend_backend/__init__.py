@@ -608,7 +608,8 @@ class AscendBackend(Backend):
             if not why:
                 return "kernels", skipped, views
             skipped["kernels"] = why
-        skipped["npu_rotary_mul"] = ["no fused prologue (norm, cache write)"]
+        skipped["npu_rotary_mul"] = (["no fused prologue (norm, cache write)"] if self._tier_allowed("npu_rotary_mul")
+                                     else ["disabled by ROPE_OPS_ASCEND_TIERS"])
         if not self._tier_allowed("torch"):
             raise BackendError("rope_ops ascend backend: no tier allowed by ROPE_OPS_ASCEND_TIERS="
                                f"{os.environ.get('ROPE_OPS_ASCEND_TIERS')!r} can take this prologue: {skipped}",
