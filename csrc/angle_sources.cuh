@@ -7,17 +7,19 @@
 //   Token token(const RopeParams& p, b, s);              token (b, s) of the [B, S] view: its
 //                                                        position load heads the longest chain,
 //                                                        so families issue it early
-//   Token token_uniform(const RopeParams& p, t);         token t when positions are uniform
-//                                                        (Uniform(p) below): no (b, s) split
-//   bool uniform(const RopeParams& p);                   host: whether token_uniform applies
+//   Token token_uniform(const RopeParams& p, t);         token t when uniform(p): no (b, s)
+//                                                        split (token(p, 0, t), cheapest first)
+//   bool uniform(const RopeParams& p);                   host: token t's angles are at t
+//   bool aligned(const RopeParams& p, int nc);           host: reads of nc values fit
 //   template <int NC> void cos_sin(p, token, i0, c, s, on_the_fly)
 //                                                        c[j], s[j] = m*cos, m*sin of frequency
 //                                                        i0 + j (j < NC), s negated for inverse
 //
 // The families own everything else (which thread rotates what, loads, stores). A new source is
-// one struct here plus the RopeParams fields it reads: caller cos/sin given per token would read
-// cos[b * stride_b + s * stride_s + i] in cos_sin with Token = (b, s); mRoPE would keep three
-// positions in Token and pick, per frequency, the one of the axis its section assigns.
+// one struct here, the RopeParams fields it reads, and its line in with_angles (below): caller
+// cos/sin given per token would read cos[b * stride_b + s * stride_s + i] in cos_sin with
+// Token = (b, s); mRoPE would keep three positions in Token and pick, per frequency, the one of
+// the axis its section assigns.
 #pragma once
 
 #include "kernel_common.cuh"
@@ -150,6 +152,13 @@ struct TableAngles {
     load_cos_sin<NC>(p, pos, i0, c, s, on_the_fly);
   }
 };
+
+// f(Source{}) for the angle source of call p: what the policy and the dispatch instantiate.
+template <class F>
+decltype(auto) with_angles(const RopeParams& p, F&& f) {
+  (void)p;  // one source so far: positions into the table
+  return f(TableAngles{});
+}
 
 }  // namespace
 }  // namespace rope_ops_cuda

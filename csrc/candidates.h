@@ -38,7 +38,7 @@ inline bool config_fits(const RopeParams& p, const RopeDevice& dev, const RopeCo
     case ROPE_FLAT:
       return f.vectors && flat_ok(p, f.V) && flat_blocks_fit(p, f.V, c.flat_blocks, c.vectors);
     case ROPE_LEAN:
-      return f.vectors && c.rows_on_the_fly == 0 && flat_ok(p, f.V) && lean_ok<Angles>(p, f.V);
+      return f.vectors && c.rows_on_the_fly == 0 && flat_ok(p, f.V) && lean_fits(p, f.V);
     case ROPE_ROWS:
       return f.vectors && rows_fits(p, f.V);
     default:

@@ -10,7 +10,7 @@
 namespace rope_ops_cuda {
 namespace {
 
-template <typename T, bool NEOX, int VB, class Exec>
+template <typename T, bool NEOX, class Angles, int VB, class Exec>
 cudaError_t run_heads(const RopeParams& p, const RopeConfig& c, Exec& exec) {
   const HeadsPlan plan = plan_heads(p, VecInfo<T, VB>::kVec, NEOX, c.heads_per_thread, c.block_threads);
   const bool fly = c.rows_on_the_fly != 0;
@@ -21,14 +21,14 @@ cudaError_t run_heads(const RopeParams& p, const RopeConfig& c, Exec& exec) {
   return exec.template heads<T, NEOX, SCHED_PIPE, 2, HINT_STREAM_ST, Angles, VB>(p, plan, fly);
 }
 
-template <typename T, bool NEOX, class Exec>
+template <typename T, bool NEOX, class Angles, class Exec>
 cudaError_t run_typed(const RopeParams& p, const RopeDevice& dev, const RopeConfig& c, Exec& exec) {
   constexpr int V = VecInfo<T>::kVec;
   const bool fly = c.rows_on_the_fly != 0;
   switch (c.family) {
     case ROPE_HEADS:
-      if (c.vector_bytes == 8) return run_heads<T, NEOX, 8>(p, c, exec);
-      return run_heads<T, NEOX, 16>(p, c, exec);
+      if (c.vector_bytes == 8) return run_heads<T, NEOX, Angles, 8>(p, c, exec);
+      return run_heads<T, NEOX, Angles, 16>(p, c, exec);
     case ROPE_FLAT: {
       const FlatPlan plan = plan_flat<Angles>(p, V, c.flat_blocks, c.vectors);
       const int u = plan.vectors_per_thread;
@@ -72,19 +72,27 @@ cudaError_t run_typed(const RopeParams& p, const RopeDevice& dev, const RopeConf
   }
 }
 
+template <typename T, class Angles, class Exec>
+cudaError_t run_style(const RopeParams& p, const RopeDevice& dev, const RopeConfig& c, Exec& exec) {
+  return p.interleaved ? run_typed<T, false, Angles>(p, dev, c, exec)
+                       : run_typed<T, true, Angles>(p, dev, c, exec);
+}
+
 // Runs configuration c on exec; c must fit the call (choose()'s does, others: config_fits).
 template <class Exec>
 cudaError_t run_config(const RopeParams& p, const RopeDevice& dev, const RopeConfig& c, Exec& exec) {
   if (c.family == ROPE_NOTHING) return cudaSuccess;
-  switch (p.dtype) {
-    case ROPE_F32:
-      return p.interleaved ? run_typed<float, false>(p, dev, c, exec) : run_typed<float, true>(p, dev, c, exec);
-    case ROPE_F16:
-      return p.interleaved ? run_typed<__half, false>(p, dev, c, exec) : run_typed<__half, true>(p, dev, c, exec);
-    default:
-      return p.interleaved ? run_typed<__nv_bfloat16, false>(p, dev, c, exec)
-                           : run_typed<__nv_bfloat16, true>(p, dev, c, exec);
-  }
+  return with_angles(p, [&](auto angles) {
+    using A = decltype(angles);
+    switch (p.dtype) {
+      case ROPE_F32:
+        return run_style<float, A>(p, dev, c, exec);
+      case ROPE_F16:
+        return run_style<__half, A>(p, dev, c, exec);
+      default:
+        return run_style<__nv_bfloat16, A>(p, dev, c, exec);
+    }
+  });
 }
 
 }  // namespace

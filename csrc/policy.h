@@ -34,10 +34,6 @@
 namespace rope_ops_cuda {
 namespace {
 
-// The call's angle source. Only one so far; a new source adds its RopeParams fields and picks
-// its policy type here, from p.
-using Angles = TableAngles;
-
 constexpr int64_t kDecodeChunksPerSM = 2048;   // rule 2
 constexpr int64_t kRowsMinRotaryBytes = 128;   // rule 3
 constexpr int64_t kFlatMinBlockBytes = 8192;   // rule 4
@@ -91,7 +87,9 @@ inline bool vectors_fit(const RopeParams& p, const int64_t vector_bytes) {
   if (p.Hk > 0 && (!tensor_vectors_fit(p.k, p.k_stride, p.B, p.S, p.Hk, V, vector_bytes) ||
                    !tensor_vectors_fit(p.k_out, p.k_out_stride, p.B, p.S, p.Hk, V, vector_bytes)))
     fit = false;
-  return fit && Angles::aligned(p, (int)(p.interleaved ? V / 2 : V));
+  return fit && with_angles(p, [&](auto angles) {
+           return decltype(angles)::aligned(p, (int)(p.interleaved ? V / 2 : V));
+         });
 }
 
 inline CallFacts facts_of(const RopeParams& p, const RopeDevice& dev) {
@@ -110,6 +108,11 @@ inline CallFacts facts_of(const RopeParams& p, const RopeDevice& dev) {
   f.chunks = f.tokens * f.heads * (rotary_chunks + copy_chunks);
   f.decode = f.chunks < (int64_t)dev.num_sms * kDecodeChunksPerSM;
   return f;
+}
+
+// The lean kernel's conditions (kernel_flat.cuh) for the call's angle source.
+inline bool lean_fits(const RopeParams& p, const int64_t V) {
+  return with_angles(p, [&](auto angles) { return lean_ok<decltype(angles)>(p, V); });
 }
 
 inline RopeConfig config_of(const int family, const RopeDevice& dev) {
@@ -189,7 +192,7 @@ inline RopeConfig choose(const RopeParams& p, const RopeDevice& dev) {
   if (f.neox && flat_ok(p, f.V)) {  // rule 4
     const int64_t blocks_per_token = p.Hq > 0 && p.Hk > 0 ? 2 : 1;
     if (f.heads * p.D * elem_bytes(p) >= kFlatMinBlockBytes * blocks_per_token) {
-      if (lean_ok<Angles>(p, f.V)) return config_of(ROPE_LEAN, dev);
+      if (lean_fits(p, f.V)) return config_of(ROPE_LEAN, dev);
       RopeConfig c = config_of(ROPE_FLAT, dev);
       c.flat_blocks = ROPE_FLAT_SEPARATE;
       return c;

@@ -115,7 +115,7 @@ extern "C" cudaError_t rope_launch(const RopeParams* p, const RopeDevice* dev, c
 
 extern "C" int rope_kernel_arch(void) {
   cudaFuncAttributes attr;
-  if (cudaFuncGetAttributes(&attr, rope_generic_kernel<float, true, Angles>) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&attr, rope_generic_kernel<float, true, TableAngles>) != cudaSuccess) {
     cudaGetLastError();  // clear it: the caller only wants to know
     return 0;
   }
