@@ -109,7 +109,7 @@ SCRIPT = textwrap.dedent(r'''
                           angles=angles, mrope_section=section, mrope_interleaved=style == "gptj")
 
     def prologue(T, hq, hk, D, R=None, style="neox", dtype=torch.bfloat16, norm=True,
-                 inplace=False, cache=None, batch=None, rotate=True):
+                 inplace=False, cache=None, batch=None, rotate=True, angles="table"):
         """PrologueArgs of a [T, W] (or [batch, T / batch, W]) call: positions, float32 weights."""
         R = D if R is None else R
         lead = (T,) if batch is None else (batch, T // batch)
@@ -121,15 +121,25 @@ SCRIPT = textwrap.dedent(r'''
             vc = torch.empty(4096, hk, D, dtype=cache)
             slots = torch.zeros(lead, dtype=torch.int64)
         w = torch.empty(D) if norm else None
+        pos = torch.zeros(lead, dtype=torch.int64) if rotate else None
+        cos = torch.empty(64, R // 2)
+        turns = torch.empty(R // 2, dtype=torch.int64)
+        section = None
+        if angles == "mrope":
+            pos = torch.zeros(3, *lead, dtype=torch.int64)
+            section = (R // 2 - 2 * (R // 6), R // 6, R // 6)
+        elif angles == "token":  # Hugging Face's bf16 rows, shared by the batch
+            b, s = (1, T) if batch is None else (batch, T // batch)
+            cos = torch.empty(1, s, R // 2, dtype=torch.bfloat16).expand(b, s, R // 2)
+            pos = turns = None
         return PrologueArgs(
-            qkv=qkv, q_out=outs[0], k_out=outs[1], v_out=outs[2],
-            pos=torch.zeros(lead, dtype=torch.int64) if rotate else None, pos_offset=0,
-            cos=torch.empty(64, R // 2), sin=torch.empty(64, R // 2),
-            freq_turns=torch.empty(R // 2, dtype=torch.int64), attention_factor=1.0,
+            qkv=qkv, q_out=outs[0], k_out=outs[1], v_out=outs[2], pos=pos, pos_offset=0,
+            cos=cos, sin=cos, freq_turns=turns, attention_factor=1.0,
             layout="thd" if batch is None else "bshd", num_q_heads=hq, num_kv_heads=hk,
             head_dim=D, rotary_dim=R, interleaved=style == "gptj", rotate=rotate, q_weight=w,
             k_weight=w, eps=1e-6, weight_offset=0.0, inplace=inplace, k_cache=kc, v_cache=vc,
-            slots=slots, k_scale=1.0, v_scale=1.0)
+            slots=slots, k_scale=1.0, v_scale=1.0, angles=angles, mrope_section=section,
+            mrope_interleaved=True)
 
     def compile_prologue(pargs, backward):
         """Compile the prologue variant run_prologue(_backward) would launch (the policy's
@@ -185,6 +195,12 @@ SCRIPT = textwrap.dedent(r'''
                                       False, True),
         "prologue in place gptj hd80 r32": (prologue(4096, 16, 4, 80, 32, "gptj", inplace=True),
                                             False, True),
+        "prologue decode fp8 cache gptj": (prologue(64, 32, 8, 128, style="gptj",
+                                                    cache=torch.float8_e4m3fn), False, True),
+        "prologue mRoPE interleaved": (prologue(4096, 32, 8, 128, angles="mrope"), False, True),
+        # bf16 rows: the [4, 64] row tile is one element per thread (2-byte loads)
+        "prologue per-token bwd": (prologue(4096, 32, 8, 128, batch=2, angles="token"), True,
+                                   False),
         "prologue norm only fp32": (prologue(4096, 16, 16, 64, rotate=False,
                                              dtype=torch.float32), False, True),
         # k/v chunks of 2 heads: the 16-pair piece is one element per thread
