@@ -40,6 +40,6 @@ def mrope_axes(section, interleaved: bool) -> torch.Tensor:
         return torch.cat([torch.full((n,), axis, dtype=torch.int64) for axis, n in enumerate(section)])
     axes = torch.zeros(half, dtype=torch.int64)
     for axis in (1, 2):
-        idx = torch.arange(axis, 3 * section[axis], 3)
+        idx = torch.arange(axis, max(axis, 3 * section[axis]), 3)  # empty for a count of 0
         axes[idx[idx < half]] = axis
     return axes

@@ -79,3 +79,14 @@ def test_per_token_tables_match_llama_apply_rotary_pos_emb():
     # float32: the same products, rounded differently (one fused rounding here)
     torch.testing.assert_close(ours_q, hf_q, rtol=0, atol=2e-6)
     torch.testing.assert_close(ours_k, hf_k, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("section", [(32, 0, 0), (0, 32, 0), (10, 0, 22), (0, 0, 32)])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_sections_with_an_empty_axis(section, interleaved):
+    axes = mrope_axes(section, interleaved)
+    assert axes.numel() == 32
+    counts = torch.bincount(axes, minlength=3).tolist()
+    if not interleaved:
+        assert counts == list(section)
+    assert all(counts[a] == 0 for a in range(3) if section[a] == 0 and (a > 0 or not interleaved))
