@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from rope_ops._reference import rope_reference  # noqa: E402
 from rope_ops.backend import KernelArgs  # noqa: E402
 from rope_ops.frequencies import compute_inv_freq, cos_sin_table, freq_turns_of, reduced_angle  # noqa: E402
-from rope_ops.testing.checks import assert_bitwise_equal, assert_rope_close  # noqa: E402
+from rope_ops.testing.checks import assert_rope_close  # noqa: E402
 
 HEAD_AXIS = {"bshd": 2, "sbhd": 2, "bhsd": 1, "thd": 1}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -616,7 +616,7 @@ def garbage_positions(rn: Runner):
                 rn.sync()
                 o = out.float().cpu()
                 if tables_given:
-                    if not torch.isnan(o[1:-1]).all():
+                    if not torch.isnan(o).all():
                         problems.append(f"{name}: caller tables, out-of-table rows not all NaN")
                     continue
                 if not torch.isfinite(o).all():

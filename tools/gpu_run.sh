@@ -9,7 +9,8 @@
 #   setup       install the carried wheels (.whl/*.whl: stevedore, liger-kernel) and rope_ops
 #               itself (editable, no dependencies, offline)
 #   build       the CUDA extension (python -m rope_ops_backends.cuda_backend build), into
-#               $ROPE_OPS_CACHE (default .gpu_cache/, which can be carried to a later call)
+#               $ROPE_OPS_CACHE (default .gpu_cache/; $OUT/gpu_cache.tgz, unpacked into
+#               .gpu_cache, lets a later call carry it instead of compiling)
 #   verify      at once (correctness only: they share the GPU, so nothing is timed):
 #                 the conformance suite on cuda and on triton;
 #                 tools/gpu_cuda_check.py: every accuracy case with the CUDA policy's choice and
@@ -54,9 +55,15 @@ if has setup; then
 fi
 if has build; then
   step "build the CUDA extension"
+  # A carried cache the build refuses (files of another user, say) is removed and rebuilt.
   timeout "$(left)" python3 -m rope_ops_backends.cuda_backend build 2>&1 | tail -20
-  [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+  if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+    timeout "$(left)" python3 -m rope_ops_backends.cuda_backend build --force 2>&1 | tail -20
+    [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+  fi
   python3 -m rope_ops info | tee "$OUT/info.txt"
+  # The build, for a later call to carry as .gpu_cache (unpack it there).
+  (cd "$ROPE_OPS_CACHE" && tar czf "$OUT/gpu_cache.tgz" .) 2>/dev/null
 fi
 if has verify; then
   step "verify: conformance cuda + triton, CUDA cases with every candidate, sanitizer (at once)"
