@@ -71,7 +71,7 @@ struct FlatThread {
   typename Angles::Token pos;
   float cs[NC], sn[NC];
 
-  // bid: the block; split blocks pass their token (bid: the part within it is done by the body).
+  // bid: the block (split blocks: the token; which part of it is the body's j0).
   ROPE_HD FlatThread(const RopeParams& p, const FlatShape& f, const long long bid, const int t) {
     constexpr bool joint = JOINT;
     const bool isq = joint || (f.both ? (bid & 1) == 0 : p.Hq > 0);

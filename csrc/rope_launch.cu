@@ -1,5 +1,5 @@
-// rope_ops CUDA kernels: the launches and the C API of rope.h. The kernels are in kernel_*.cuh,
-// which kernel runs a call in policy.h. Needs only the CUDA runtime headers, so CI compiles it
+// rope_ops CUDA kernels: the launches, and with them the C API of rope.h (rope_c_api.h). The
+// kernels are in kernel_*.cuh, which kernel runs a call in policy.h. Needs only the CUDA runtime headers, so CI compiles it
 // with plain nvcc (csrc/check_compile.sh). Do not compile with --use_fast_math.
 #include "dispatch.h"
 
@@ -65,55 +65,15 @@ struct Launcher {
   }
 };
 
+inline Launcher make_executor(cudaStream_t stream, bool pdl) { return Launcher{stream, pdl}; }
+
 }  // namespace
 }  // namespace rope_ops_cuda
 
-using namespace rope_ops_cuda;
-
-extern "C" int rope_choose(const RopeParams* p, const RopeDevice* dev, RopeConfig* out) {
-  if (!params_ok(*p)) return -1;
-  *out = choose(*p, *dev);
-  return 0;
-}
-
-extern "C" int rope_candidates(const RopeParams* p, const RopeDevice* dev, RopeConfig* out,
-                               int capacity) {
-  if (!params_ok(*p)) return -1;
-  int n = 0;
-  list_candidates(*p, *dev, [&](const RopeConfig& c) {
-    if (n < capacity) out[n] = c;
-    ++n;
-  });
-  return n;
-}
-
-extern "C" int rope_config_label(const RopeConfig* c, char* buf, int size) {
-  return config_label(*c, buf, size);
-}
-
-extern "C" int rope_parse_label(const char* label, RopeConfig* out) {
-  return parse_label(label, *out) ? 0 : -1;
-}
-
-extern "C" int rope_config_fits(const RopeParams* p, const RopeDevice* dev, const RopeConfig* c) {
-  return config_fits(*p, *dev, *c) ? 1 : 0;
-}
-
-extern "C" cudaError_t rope_launch_config(const RopeParams* p, const RopeDevice* dev,
-                                          const RopeConfig* c, cudaStream_t stream) {
-  if (!config_fits(*p, *dev, *c)) return cudaErrorInvalidValue;
-  Launcher launcher{stream, c->pdl != 0};
-  return run_config(*p, *dev, *c, launcher);
-}
-
-extern "C" cudaError_t rope_launch(const RopeParams* p, const RopeDevice* dev, cudaStream_t stream) {
-  if (!params_ok(*p)) return cudaErrorInvalidValue;
-  const RopeConfig c = choose(*p, *dev);
-  Launcher launcher{stream, c.pdl != 0};
-  return run_config(*p, *dev, c, launcher);
-}
+#include "rope_c_api.h"
 
 extern "C" int rope_kernel_arch(void) {
+  using namespace rope_ops_cuda;
   cudaFuncAttributes attr;
   if (cudaFuncGetAttributes(&attr, rope_generic_kernel<float, true, TableAngles>) != cudaSuccess) {
     cudaGetLastError();  // clear it: the caller only wants to know

@@ -210,10 +210,11 @@ inline void fill_tensors(RopeParams& p, const Tensor& q, const Tensor& k, const 
   }
 }
 
-// The rest of RopeParams: rotation, positions, tables (contiguous: see contiguous_tables). pos
-// is on q's device.
-inline void fill_angles(RopeParams& p, const Call& c, const Tensor& pos) {
+// The rest of RopeParams: rotation, positions (on q's device), tables (contiguous: see
+// contiguous_tables).
+inline void fill_angles(RopeParams& p, const Call& c) {
   const Tensor& q = c.q;
+  const Tensor& pos = c.pos;
   TORCH_CHECK(c.rotary_dim > 0 && c.rotary_dim % 2 == 0 && c.rotary_dim <= p.D,
               "rope_ops_cuda: rotary_dim must be even in (0, head_dim], got ", c.rotary_dim);
   p.R = c.rotary_dim;
@@ -310,19 +311,26 @@ std::pair<Tensor, Tensor> empty_outputs(const Tensor& q, const Tensor& k) {
 // ------------------------------------------------------------------------------------------------
 // Runs
 
-// Fills RopeParams for the call (q_out, k_out given or in place) and launches: the policy's
-// choice, or `config` when given.
+// RopeParams of a call whose outputs are set (q_out, k_out, or q and k in place). Tables are made
+// contiguous and positions moved to q's device in c, which holds them until the launch is
+// queued (the allocator reuses memory in stream order).
+template <class Platform>
+RopeParams params_of(Call& c) {
+  contiguous_tables(c);
+  if (c.pos.defined() && !Platform::on_device(c.pos)) c.pos = c.pos.to(c.q.device(), /*non_blocking=*/true);
+  RopeParams p{};
+  fill_tensors(p, c.q, c.k, c.q_out, c.k_out, c.layout);
+  fill_angles(p, c);
+  return p;
+}
+
+// Launches the call (outputs set) on q's device's current stream: the policy's choice, or
+// `config` when given.
 template <class Platform>
 void launch(Call& c, const RopeConfig* config = nullptr) {
-  contiguous_tables(c);  // held until the launch is queued: stream-ordered reuse
-  const Tensor& q = c.q;
-  TORCH_CHECK(Platform::on_device(q), "rope_ops_cuda: q is not on a device this backend runs on");
-  const typename Platform::Scope scope(q);
-  RopeParams p{};
-  fill_tensors(p, q, c.k, c.q_out, c.k_out, c.layout);
-  Tensor pos = c.pos;
-  if (pos.defined() && !Platform::on_device(pos)) pos = pos.to(q.device(), /*non_blocking=*/true);
-  fill_angles(p, c, pos);
+  TORCH_CHECK(Platform::on_device(c.q), "rope_ops_cuda: q is not on a device this backend runs on");
+  const typename Platform::Scope scope(c.q);
+  const RopeParams p = params_of<Platform>(c);
   const cudaError_t err = config == nullptr ? rope_launch(&p, &scope.dev, scope.stream)
                                             : rope_launch_config(&p, &scope.dev, config, scope.stream);
   TORCH_CHECK(err != cudaErrorInvalidValue || config == nullptr,
@@ -335,6 +343,7 @@ void launch(Call& c, const RopeConfig* config = nullptr) {
 template <class Platform>
 py::object run(py::handle args) {
   Call c = read_kernel_args(args);
+  TORCH_CHECK(Platform::on_device(c.q), "rope_ops_cuda: q is not on a device this backend runs on");
   if (c.inplace) {
     c.q_out = c.q;
     c.k_out = c.k;
@@ -352,17 +361,15 @@ py::object run(py::handle args) {
 template <class Platform>
 std::vector<std::string> candidates(py::handle args) {
   Call c = read_kernel_args(args);
+  TORCH_CHECK(Platform::on_device(c.q), "rope_ops_cuda: q is not on a device this backend runs on");
   if (c.inplace) {
     c.q_out = c.q;
     c.k_out = c.k;
   } else if (!c.q_out.defined()) {
     std::tie(c.q_out, c.k_out) = empty_outputs<Platform>(c.q, c.k);
   }
-  contiguous_tables(c);
   const typename Platform::Scope scope(c.q);
-  RopeParams p{};
-  fill_tensors(p, c.q, c.k, c.q_out, c.k_out, c.layout);
-  fill_angles(p, c, c.pos.defined() ? c.pos.to(c.q.device()) : c.pos);
+  const RopeParams p = params_of<Platform>(c);
   RopeConfig configs[128];
   const int n = rope_candidates(&p, &scope.dev, configs, 128);
   TORCH_CHECK(n >= 0, "rope_ops_cuda: inconsistent call");

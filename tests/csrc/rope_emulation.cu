@@ -127,52 +127,12 @@ struct Emulator {
   }
 };
 
+inline Emulator make_executor(cudaStream_t, bool) { return Emulator{}; }
+
 }  // namespace
 }  // namespace rope_ops_cuda
 
-using namespace rope_ops_cuda;
-
-extern "C" int rope_choose(const RopeParams* p, const RopeDevice* dev, RopeConfig* out) {
-  if (!params_ok(*p)) return -1;
-  *out = choose(*p, *dev);
-  return 0;
-}
-
-extern "C" int rope_candidates(const RopeParams* p, const RopeDevice* dev, RopeConfig* out,
-                               int capacity) {
-  if (!params_ok(*p)) return -1;
-  int n = 0;
-  list_candidates(*p, *dev, [&](const RopeConfig& c) {
-    if (n < capacity) out[n] = c;
-    ++n;
-  });
-  return n;
-}
-
-extern "C" int rope_config_label(const RopeConfig* c, char* buf, int size) {
-  return config_label(*c, buf, size);
-}
-
-extern "C" int rope_parse_label(const char* label, RopeConfig* out) {
-  return parse_label(label, *out) ? 0 : -1;
-}
-
-extern "C" int rope_config_fits(const RopeParams* p, const RopeDevice* dev, const RopeConfig* c) {
-  return config_fits(*p, *dev, *c) ? 1 : 0;
-}
-
-extern "C" cudaError_t rope_launch_config(const RopeParams* p, const RopeDevice* dev,
-                                          const RopeConfig* c, cudaStream_t) {
-  if (!config_fits(*p, *dev, *c)) return cudaErrorInvalidValue;
-  Emulator emulator;
-  return run_config(*p, *dev, *c, emulator);
-}
-
-extern "C" cudaError_t rope_launch(const RopeParams* p, const RopeDevice* dev, cudaStream_t) {
-  if (!params_ok(*p)) return cudaErrorInvalidValue;
-  Emulator emulator;
-  return run_config(*p, *dev, choose(*p, *dev), emulator);
-}
+#include "rope_c_api.h"
 
 extern "C" int rope_kernel_arch(void) { return 90; }
 
@@ -180,12 +140,14 @@ extern "C" int rope_kernel_arch(void) { return 90; }
 // they fit; returns the length of the whole list.
 extern "C" int rope_emulated_kernels(char* buf, int size) {
   std::string all;
-  for (const std::string& name : g_kernels_run) all += name + "\n";
+  for (const std::string& name : rope_ops_cuda::g_kernels_run) all += name + "\n";
   if ((int)all.size() < size) memcpy(buf, all.c_str(), all.size() + 1);
   return (int)all.size();
 }
 
-extern "C" void rope_emulated_reset(void) { g_kernels_run.clear(); }
+extern "C" void rope_emulated_reset(void) { rope_ops_cuda::g_kernels_run.clear(); }
 
 // The rows kernel's division (FastDiv): n / d for n < 2^31.
-extern "C" uint32_t rope_fast_div(uint32_t d, uint32_t n) { return fast_div(make_fast_div(d), n); }
+extern "C" uint32_t rope_fast_div(uint32_t d, uint32_t n) {
+  return rope_ops_cuda::fast_div(rope_ops_cuda::make_fast_div(d), n);
+}
