@@ -65,13 +65,68 @@ struct RopeCpuParams {
   bool contiguous_dim = false;    // every tensor has stride 1 on head_dim (the vector path)
 };
 
+// The fused prologue (rope_ops.qkv_prologue): one call, validated by the binding. Each token's
+// QKV row holds q_heads, then kv_heads k and kv_heads v heads of head_dim elements (stride 1).
+constexpr int ROPE_CPU_F8E4M3 = 3;  // a KV cache of float8 e4m3fn (cache_dtype only)
+
+constexpr int64_t ROPE_CPU_PROLOGUE_WORK_ROWS = 9;
+
+struct RopeCpuPrologueParams {
+  // dtype, batch, seq, head_dim, the angle source and interleaved; half = rotary_dim / 2, 0 when
+  // not rotating (then the angle source is unused).
+  RopeCpuParams rope;
+  int64_t q_heads = 0, kv_heads = 0;
+  const void* qkv = nullptr;
+  void* qkv_out = nullptr;             // qkv itself when in place (q and k heads written there)
+  int64_t qkv_stride[2] = {0, 0};      // (batch, token) element strides of the rows
+  bool inplace = false;
+  // Out of place: q, k, v as [B, S, H, D] with (batch, token, head) strides, stride 1 on D.
+  void* out[3] = {nullptr, nullptr, nullptr};
+  int64_t out_stride[3][3] = {{0, 0, 0}, {0, 0, 0}, {0, 0, 0}};
+  // RMSNorm: weight_offset + weight as float32 [D] for q and k heads; null: no norm.
+  const float* weight[2] = {nullptr, nullptr};
+  float eps = 0.0f;
+  // KV cache (k_cache null: none): [num_slots, kv_heads, D] with (slot, head) strides, of dtype
+  // `dtype` or ROPE_CPU_F8E4M3 (holding value / scale). Token (b, s) goes to slot
+  // slots[b * slots_stride[0] + s * slots_stride[1]]; slots outside [0, num_slots) are skipped.
+  int cache_dtype = ROPE_CPU_F32;
+  void* cache[2] = {nullptr, nullptr};  // k, v
+  int64_t cache_stride[2][2] = {{0, 0}, {0, 0}};
+  int64_t num_slots = 0;
+  const void* slots = nullptr;
+  bool slots_int64 = false;
+  int64_t slots_stride[2] = {0, 0};
+  float cache_scale[2] = {1.0f, 1.0f};
+};
+
+// The prologue's backward: output gradients (null: zero) as [B, S, H, D] with (batch, token,
+// head) strides and stride 1 on D, in the data dtype; grad_qkv rows with (batch, token) strides.
+struct RopeCpuPrologueGrads {
+  const void* grad[3] = {nullptr, nullptr, nullptr};  // q, k, v
+  int64_t grad_stride[3][3] = {{0, 0, 0}, {0, 0, 0}, {0, 0, 0}};
+  void* grad_qkv = nullptr;
+  int64_t grad_qkv_stride[2] = {0, 0};
+};
+
 // Rotate tokens [begin, end) of the flattened (batch, seq) range. One per instruction set; the
 // AVX2 and AVX-512 ones exist on x86-64 only and may run only where the CPU has those features.
 // The AVX512_BF16 one differs from the AVX-512 one only in how it rounds bfloat16 outputs.
-void rope_cpu_tokens_generic(const RopeCpuParams& p, int64_t begin, int64_t end);
+//
+// The prologue's forward over tokens [begin, end); its backward over tokens [begin, end), adding
+// the weights' gradient terms into the float32 rows weight_grad[0] (q) and weight_grad[1] (k) of
+// D floats (null where that weight is null). `work`: the calling thread's scratch of
+// ROPE_CPU_PROLOGUE_WORK_ROWS rows of D floats rounded up to 16, 64-byte aligned.
+#define ROPE_CPU_DECLARE_KERNELS(isa)                                                              \
+  void rope_cpu_tokens_##isa(const RopeCpuParams& p, int64_t begin, int64_t end);                \
+  void rope_cpu_prologue_##isa(const RopeCpuPrologueParams& p, int64_t begin, int64_t end,       \
+                               float* work);                                                     \
+  void rope_cpu_prologue_backward_##isa(const RopeCpuPrologueParams& p,                          \
+                                        const RopeCpuPrologueGrads& g, int64_t begin,             \
+                                        int64_t end, float* work, float* const weight_grad[2]);
+ROPE_CPU_DECLARE_KERNELS(generic)
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define ROPE_CPU_X86 1
-void rope_cpu_tokens_avx2(const RopeCpuParams& p, int64_t begin, int64_t end);
-void rope_cpu_tokens_avx512(const RopeCpuParams& p, int64_t begin, int64_t end);
-void rope_cpu_tokens_avx512bf16(const RopeCpuParams& p, int64_t begin, int64_t end);
+ROPE_CPU_DECLARE_KERNELS(avx2)
+ROPE_CPU_DECLARE_KERNELS(avx512)
+ROPE_CPU_DECLARE_KERNELS(avx512bf16)
 #endif

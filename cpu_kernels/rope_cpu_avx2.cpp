@@ -18,6 +18,7 @@
 
 #define ROPE_CPU_ISA_NS rope_cpu_avx2
 #include "rope_cpu_kernel.h"
+#include "rope_cpu_prologue.h"
 
 namespace rope_cpu_avx2 {
 namespace {
@@ -70,7 +71,15 @@ struct Avx2Simd {
     __builtin_memcpy(p, buf, n * sizeof(T));
   }
   static F set1(float x) { return _mm256_set1_ps(x); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  // 8 lanes l as (l, l + 4), (l, l + 2), (l, l + 1)
+  static float sum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
+  }
+  static float sum16(F lo, F hi) { return sum8(_mm256_add_ps(lo, hi)); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F fmsub(F a, F b, F c) { return _mm256_fmsub_ps(a, b, c); }
   static F dup_pairs(const float* c) {
@@ -111,6 +120,16 @@ RopeF16 Avx2Simd::from_float<RopeF16>(float x) {
 
 void rope_cpu_tokens_avx2(const RopeCpuParams& p, int64_t begin, int64_t end) {
   rope_cpu_avx2::run_tokens<rope_cpu_avx2::Avx2Simd>(p, begin, end);
+}
+
+void rope_cpu_prologue_avx2(const RopeCpuPrologueParams& p, int64_t begin, int64_t end,
+    float* work) {
+  rope_cpu_avx2::run_prologue<rope_cpu_avx2::Avx2Simd>(p, begin, end, work);
+}
+
+void rope_cpu_prologue_backward_avx2(const RopeCpuPrologueParams& p,
+    const RopeCpuPrologueGrads& g, int64_t begin, int64_t end, float* work, float* const weight_grad[2]) {
+  rope_cpu_avx2::run_prologue_backward<rope_cpu_avx2::Avx2Simd>(p, g, begin, end, work, weight_grad);
 }
 
 #if defined(__clang__)

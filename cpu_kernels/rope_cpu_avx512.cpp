@@ -24,6 +24,7 @@
 
 #define ROPE_CPU_ISA_NS rope_cpu_avx512
 #include "rope_cpu_kernel.h"
+#include "rope_cpu_prologue.h"
 
 namespace rope_cpu_avx512 {
 namespace {
@@ -35,6 +36,16 @@ namespace {
 
 void rope_cpu_tokens_avx512(const RopeCpuParams& p, int64_t begin, int64_t end) {
   rope_cpu_avx512::run_tokens<rope_cpu_avx512::Avx512Simd>(p, begin, end);
+}
+
+void rope_cpu_prologue_avx512(const RopeCpuPrologueParams& p, int64_t begin, int64_t end,
+    float* work) {
+  rope_cpu_avx512::run_prologue<rope_cpu_avx512::Avx512Simd>(p, begin, end, work);
+}
+
+void rope_cpu_prologue_backward_avx512(const RopeCpuPrologueParams& p,
+    const RopeCpuPrologueGrads& g, int64_t begin, int64_t end, float* work, float* const weight_grad[2]) {
+  rope_cpu_avx512::run_prologue_backward<rope_cpu_avx512::Avx512Simd>(p, g, begin, end, work, weight_grad);
 }
 
 #if defined(__clang__)

@@ -49,7 +49,15 @@ struct Avx512Simd {
   static void store_n(RopeF16* p, F a, int n) { _mm256_mask_storeu_epi16(p, first(n), to_f16(a)); }
 
   static F set1(float x) { return _mm512_set1_ps(x); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  // 16 lanes l as (l, l + 8), (l, l + 4), (l, l + 2), (l, l + 1)
+  static float sum16(F v) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_shuffle_ps(a, a, 1)));
+  }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F fmsub(F a, F b, F c) { return _mm512_fmsub_ps(a, b, c); }
   static F dup_pairs_of(__m256 x) {

@@ -25,6 +25,7 @@
 
 #define ROPE_CPU_ISA_NS rope_cpu_avx512bf16
 #include "rope_cpu_kernel.h"
+#include "rope_cpu_prologue.h"
 
 namespace rope_cpu_avx512bf16 {
 namespace {
@@ -62,6 +63,16 @@ struct Avx512Bf16Simd : Avx512Simd {
 
 void rope_cpu_tokens_avx512bf16(const RopeCpuParams& p, int64_t begin, int64_t end) {
   rope_cpu_avx512bf16::run_tokens<rope_cpu_avx512bf16::Avx512Bf16Simd>(p, begin, end);
+}
+
+void rope_cpu_prologue_avx512bf16(const RopeCpuPrologueParams& p, int64_t begin, int64_t end,
+    float* work) {
+  rope_cpu_avx512bf16::run_prologue<rope_cpu_avx512bf16::Avx512Bf16Simd>(p, begin, end, work);
+}
+
+void rope_cpu_prologue_backward_avx512bf16(const RopeCpuPrologueParams& p,
+    const RopeCpuPrologueGrads& g, int64_t begin, int64_t end, float* work, float* const weight_grad[2]) {
+  rope_cpu_avx512bf16::run_prologue_backward<rope_cpu_avx512bf16::Avx512Bf16Simd>(p, g, begin, end, work, weight_grad);
 }
 
 #if defined(__clang__)

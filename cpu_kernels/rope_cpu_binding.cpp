@@ -15,8 +15,11 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdlib>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -35,7 +38,16 @@ namespace {
 // In order: each needs the features of the ones before it.
 enum Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 constexpr const char* kIsaNames[] = {"generic", "avx2", "avx512", "avx512_bf16"};
-using TokensFn = void (*)(const RopeCpuParams&, int64_t, int64_t);
+
+// The kernels of one instruction set (rope_cpu.h).
+struct IsaKernels {
+  void (*tokens)(const RopeCpuParams&, int64_t, int64_t);
+  void (*prologue)(const RopeCpuPrologueParams&, int64_t, int64_t, float*);
+  void (*prologue_backward)(const RopeCpuPrologueParams&, const RopeCpuPrologueGrads&, int64_t,
+                            int64_t, float*, float* const*);
+};
+#define ROPE_CPU_KERNELS_OF(isa) \
+  IsaKernels { rope_cpu_tokens_##isa, rope_cpu_prologue_##isa, rope_cpu_prologue_backward_##isa }
 
 #if ROPE_CPU_X86
 // Whether the OS saves the register state of XCR0 bits `mask` (XGETBV; needs OSXSAVE).
@@ -66,14 +78,16 @@ int detect_isa() { return kGeneric; }
 const int kBestIsa = detect_isa();
 std::atomic<int> g_isa{kBestIsa};
 
-TokensFn kernel_for(int isa) {
+IsaKernels kernels_for(int isa) {
 #if ROPE_CPU_X86
-  if (isa == kAvx512Bf16) return rope_cpu_tokens_avx512bf16;
-  if (isa == kAvx512) return rope_cpu_tokens_avx512;
-  if (isa == kAvx2) return rope_cpu_tokens_avx2;
+  if (isa == kAvx512Bf16) return ROPE_CPU_KERNELS_OF(avx512bf16);
+  if (isa == kAvx512) return ROPE_CPU_KERNELS_OF(avx512);
+  if (isa == kAvx2) return ROPE_CPU_KERNELS_OF(avx2);
 #endif
-  return rope_cpu_tokens_generic;
+  return ROPE_CPU_KERNELS_OF(generic);
 }
+
+IsaKernels current_kernels() { return kernels_for(g_isa.load(std::memory_order_relaxed)); }
 
 std::vector<std::string> available_isas() {
   std::vector<std::string> names;
@@ -291,7 +305,7 @@ void run(const RopeCpuParams& p) {
   if (tokens == 0 || p.head_dim == 0) return;
   const int64_t per_token = (p.q.heads + p.k.heads) * p.head_dim;
   if (per_token == 0) return;
-  const TokensFn kernel = kernel_for(g_isa.load(std::memory_order_relaxed));
+  const auto kernel = current_kernels().tokens;
   const int64_t grain = std::max<int64_t>(1, kGrainElements / per_token);
   auto body = [&]() {
     at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) { kernel(p, begin, end); });
@@ -450,6 +464,262 @@ struct GuardedRope {
   }
 };
 
+// ---------------------------------------------------------------------------------------------
+// The fused prologue: rope_ops.backend.PrologueArgs, read field by field.
+
+template <class T>
+T field(py::handle args, const char* name) {
+  return args.attr(name).cast<T>();
+}
+
+std::optional<at::Tensor> optional_field(py::handle args, const char* name) {
+  py::object value = args.attr(name);
+  if (value.is_none()) return std::nullopt;
+  return value.cast<at::Tensor>();
+}
+
+int64_t angles_code(const std::string& angles) {
+  if (angles == "table") return ROPE_CPU_ANGLES_TABLE;
+  if (angles == "token") return ROPE_CPU_ANGLES_TOKEN;
+  if (angles == "mrope") return ROPE_CPU_ANGLES_MROPE;
+  TORCH_CHECK(false, "rope_ops_cpu: angles '", angles, "' not in table, token, mrope");
+  return -1;
+}
+
+bool stride1_last(const at::Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1; }
+
+// (batch, token) strides of a tensor whose leading dims are [T] (thd) or [B, S].
+void token_strides(const at::Tensor& t, bool thd, int64_t* out) {
+  out[0] = thd ? 0 : t.stride(0);
+  out[1] = thd ? t.stride(0) : t.stride(1);
+}
+
+// A [T, H, D] / [B, S, H, D] tensor of the call (an output or a gradient): its (batch, token,
+// head) strides, after checking its metadata.
+void heads_view(const at::Tensor& t, const at::Tensor& qkv, bool thd, int64_t heads, int64_t d,
+                const char* name, int64_t* strides) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == qkv.scalar_type(), "rope_ops_cpu: ", name,
+              " must be a CPU tensor of qkv's dtype");
+  std::vector<int64_t> expected(qkv.sizes().begin(), qkv.sizes().end() - 1);
+  expected.push_back(heads);
+  expected.push_back(d);
+  TORCH_CHECK(t.sizes() == at::IntArrayRef(expected), "rope_ops_cpu: ", name, " must have shape ",
+              at::IntArrayRef(expected), ", got ", t.sizes());
+  TORCH_CHECK(stride1_last(t), "rope_ops_cpu: ", name, " needs stride 1 along head_dim");
+  token_strides(t, thd, strides);
+  strides[2] = t.stride(thd ? 1 : 2);
+}
+
+// A prologue call's parameters and the tensors they point into (kept alive for the call).
+struct PrologueCall {
+  RopeCpuPrologueParams p;
+  at::Tensor qkv;
+  at::Tensor weights[2];  // offset + weight, float32
+  bool thd = false;
+  int64_t tokens = 0, width = 0;
+};
+
+// What forward and backward share: qkv, the split, the norm weights, the angles.
+PrologueCall read_prologue(py::handle args, const std::optional<at::Tensor>& mrope_axis) {
+  PrologueCall call;
+  RopeCpuPrologueParams& p = call.p;
+  const at::Tensor qkv = field<at::Tensor>(args, "qkv");
+  const std::string layout = field<std::string>(args, "layout");
+  TORCH_CHECK(layout == "thd" || layout == "bshd", "rope_ops_cpu: the prologue's layout is thd or "
+              "bshd, got ", layout);
+  const bool thd = layout == "thd";
+  TORCH_CHECK(qkv.device().is_cpu(), "rope_ops_cpu: qkv must be a CPU tensor");
+  TORCH_CHECK(qkv.dim() == (thd ? 2 : 3), "rope_ops_cpu: qkv must be ", thd ? "[T, W]" : "[B, S, W]");
+  p.rope.dtype = dtype_code(qkv.scalar_type());
+  const int64_t hq = field<int64_t>(args, "num_q_heads"), hk = field<int64_t>(args, "num_kv_heads");
+  const int64_t d = field<int64_t>(args, "head_dim");
+  TORCH_CHECK(hq >= 1 && hk >= 1 && d >= 1 && qkv.size(-1) == (hq + 2 * hk) * d,
+              "rope_ops_cpu: qkv's last dim must be (num_q_heads + 2 * num_kv_heads) * head_dim");
+  TORCH_CHECK(stride1_last(qkv), "rope_ops_cpu: qkv needs stride 1 along its last dim");
+  p.q_heads = hq;
+  p.kv_heads = hk;
+  p.rope.batch = thd ? 1 : qkv.size(0);
+  p.rope.seq = qkv.size(thd ? 0 : 1);
+  p.rope.head_dim = d;
+  p.qkv = qkv.data_ptr();
+  token_strides(qkv, thd, p.qkv_stride);
+
+  if (field<bool>(args, "rotate")) {
+    const int64_t rotary_dim = field<int64_t>(args, "rotary_dim");
+    TORCH_CHECK(rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= d && rotary_dim / 2 <= kMaxHalf,
+                "rope_ops_cpu: rotary_dim must be even in (0, min(head_dim, ", 2 * kMaxHalf, ")], got ",
+                rotary_dim);
+    p.rope.half = rotary_dim / 2;
+    p.rope.interleaved = field<bool>(args, "interleaved");
+    const std::optional<at::Tensor> pos = optional_field(args, "pos");
+    const std::optional<at::Tensor> freq_turns = optional_field(args, "freq_turns");
+    fill_angles(p.rope, opt_ptr(pos), field<int64_t>(args, "pos_offset"),
+                field<at::Tensor>(args, "cos"), field<at::Tensor>(args, "sin"), opt_ptr(freq_turns),
+                opt_ptr(mrope_axis), field<double>(args, "attention_factor"),
+                angles_code(field<std::string>(args, "angles")));
+  }
+
+  const float offset = static_cast<float>(field<double>(args, "weight_offset"));
+  const char* weight_names[2] = {"q_weight", "k_weight"};
+  for (int i = 0; i < 2; ++i) {
+    const std::optional<at::Tensor> w = optional_field(args, weight_names[i]);
+    if (!w.has_value()) continue;
+    TORCH_CHECK(w->device().is_cpu() && w->is_floating_point() && w->dim() == 1 && w->size(0) == d,
+                "rope_ops_cpu: ", weight_names[i], " must be a floating-point CPU tensor [head_dim]");
+    // offset + weight in float32, as torch computes it (the weight rounded to float32 first)
+    at::Tensor combined = w->detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
+    float* values = combined.data_ptr<float>();
+    for (int64_t j = 0; j < d; ++j) values[j] = offset + values[j];
+    call.weights[i] = combined;
+    p.weight[i] = values;
+  }
+  p.eps = static_cast<float>(field<double>(args, "eps"));
+  call.qkv = qkv;
+  call.thd = thd;
+  call.tokens = p.rope.batch * p.rope.seq;
+  call.width = qkv.size(-1);
+  return call;
+}
+
+// Runs body(begin, end, work) over [0, n) in chunks of at least `grain`, each thread with its own
+// scratch; without the GIL for calls of `elements` or more.
+template <class Body>
+void parallel_with_work(int64_t n, int64_t grain, int64_t head_dim, int64_t elements, Body body) {
+  const size_t work_bytes =
+      static_cast<size_t>(ROPE_CPU_PROLOGUE_WORK_ROWS * ((head_dim + 15) / 16 * 16)) * sizeof(float);
+  auto run_all = [&]() {
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      std::unique_ptr<float, void (*)(void*)> work(
+          static_cast<float*>(std::aligned_alloc(64, work_bytes)), std::free);
+      TORCH_CHECK(work != nullptr, "rope_ops_cpu: out of memory for ", work_bytes, " bytes of scratch");
+      body(begin, end, work.get());
+    });
+  };
+  if (elements >= kReleaseGilElements && PyGILState_Check()) {
+    pybind11::gil_scoped_release no_gil;
+    run_all();
+  } else {
+    run_all();
+  }
+}
+
+// The forward: writes args.q_out/k_out/v_out (or the q and k heads of qkv in place) and the cache.
+void prologue(py::handle args, const std::optional<at::Tensor>& mrope_axis) {
+  PrologueCall call = read_prologue(args, mrope_axis);
+  RopeCpuPrologueParams& p = call.p;
+  const at::Tensor& qkv = call.qkv;
+  const int64_t hk = p.kv_heads, d = p.rope.head_dim;
+  p.inplace = field<bool>(args, "inplace");
+  std::optional<at::Tensor> outs[3];
+  if (p.inplace) {
+    p.qkv_out = qkv.data_ptr();
+  } else {
+    const char* names[3] = {"q_out", "k_out", "v_out"};
+    const int64_t heads[3] = {p.q_heads, hk, hk};
+    for (int i = 0; i < 3; ++i) {
+      outs[i] = optional_field(args, names[i]);
+      TORCH_CHECK(outs[i].has_value(), "rope_ops_cpu: out of place needs ", names[i]);
+      heads_view(*outs[i], qkv, call.thd, heads[i], d, names[i], p.out_stride[i]);
+      p.out[i] = outs[i]->data_ptr();
+    }
+  }
+  const std::optional<at::Tensor> k_cache = optional_field(args, "k_cache");
+  std::optional<at::Tensor> v_cache, slots;
+  if (k_cache.has_value()) {
+    v_cache = optional_field(args, "v_cache");
+    slots = optional_field(args, "slots");
+    TORCH_CHECK(v_cache.has_value() && slots.has_value(), "rope_ops_cpu: k_cache needs v_cache and slots");
+    const at::Tensor* caches[2] = {&*k_cache, &*v_cache};
+    const bool fp8 = k_cache->scalar_type() == at::ScalarType::Float8_e4m3fn;
+    for (int i = 0; i < 2; ++i) {
+      const at::Tensor& c = *caches[i];
+      TORCH_CHECK(c.device().is_cpu() && c.scalar_type() == k_cache->scalar_type() &&
+                      (fp8 || c.scalar_type() == qkv.scalar_type()),
+                  "rope_ops_cpu: the caches must be CPU tensors of qkv's dtype or both float8_e4m3fn");
+      TORCH_CHECK(c.dim() == 3 && c.size(0) == k_cache->size(0) && c.size(1) == hk && c.size(2) == d &&
+                      stride1_last(c),
+                  "rope_ops_cpu: the caches must be [num_slots, num_kv_heads, head_dim] with stride 1 "
+                  "along head_dim");
+      p.cache[i] = c.data_ptr();
+      p.cache_stride[i][0] = c.stride(0);
+      p.cache_stride[i][1] = c.stride(1);
+    }
+    p.cache_dtype = fp8 ? ROPE_CPU_F8E4M3 : p.rope.dtype;
+    p.num_slots = k_cache->size(0);
+    const at::Tensor& sl = *slots;
+    TORCH_CHECK(sl.device().is_cpu() && (sl.scalar_type() == at::kInt || sl.scalar_type() == at::kLong) &&
+                    sl.sizes() == qkv.sizes().slice(0, qkv.dim() - 1),
+                "rope_ops_cpu: slots must be an int32/int64 CPU tensor with one slot per token");
+    p.slots = sl.data_ptr();
+    p.slots_int64 = sl.scalar_type() == at::kLong;
+    token_strides(sl, call.thd, p.slots_stride);
+    p.cache_scale[0] = static_cast<float>(field<double>(args, "k_scale"));
+    p.cache_scale[1] = static_cast<float>(field<double>(args, "v_scale"));
+  }
+  if (call.tokens == 0) return;
+  const auto kernel = current_kernels().prologue;
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / call.width);
+  parallel_with_work(call.tokens, grain, d, call.tokens * call.width,
+                     [&](int64_t begin, int64_t end, float* work) { kernel(p, begin, end, work); });
+}
+
+// The backward: (grad_qkv, grad of q_weight, grad of k_weight), the weight gradients float32
+// [D] (None without that weight). Tokens go in chunks of a size set by the shape alone, each
+// chunk summing its weight-gradient terms into its own row, and the rows are added in order (in
+// float64): the result does not depend on the thread count.
+py::tuple prologue_backward(py::handle args, const std::optional<at::Tensor>& grad_q,
+                            const std::optional<at::Tensor>& grad_k,
+                            const std::optional<at::Tensor>& grad_v,
+                            const std::optional<at::Tensor>& mrope_axis) {
+  PrologueCall call = read_prologue(args, mrope_axis);
+  const RopeCpuPrologueParams& p = call.p;
+  const int64_t d = p.rope.head_dim;
+  RopeCpuPrologueGrads g;
+  at::Tensor grad_qkv = at::Tensor(at::detail::empty_cpu(call.qkv.sizes(), call.qkv.scalar_type()));
+  g.grad_qkv = grad_qkv.data_ptr();
+  token_strides(grad_qkv, call.thd, g.grad_qkv_stride);
+  const std::optional<at::Tensor>* grads[3] = {&grad_q, &grad_k, &grad_v};
+  const char* names[3] = {"grad_q", "grad_k", "grad_v"};
+  const int64_t heads[3] = {p.q_heads, p.kv_heads, p.kv_heads};
+  for (int i = 0; i < 3; ++i) {
+    const at::Tensor* t = opt_ptr(*grads[i]);
+    if (t == nullptr) continue;
+    heads_view(*t, call.qkv, call.thd, heads[i], d, names[i], g.grad_stride[i]);
+    g.grad[i] = t->data_ptr();
+  }
+  const int64_t tokens = call.tokens;
+  const int64_t chunk = std::max<int64_t>(1, kGrainElements / call.width);
+  const int64_t chunks = tokens == 0 ? 0 : (tokens + chunk - 1) / chunk;
+  at::Tensor partials[2];
+  float* partial_rows[2] = {nullptr, nullptr};
+  for (int i = 0; i < 2; ++i) {
+    if (p.weight[i] == nullptr) continue;
+    partials[i] = at::zeros({std::max<int64_t>(chunks, 1), d}, at::kFloat);
+    partial_rows[i] = partials[i].data_ptr<float>();
+  }
+  const auto kernel = current_kernels().prologue_backward;
+  parallel_with_work(chunks, 1, d, tokens * call.width, [&](int64_t first, int64_t last, float* work) {
+    for (int64_t c = first; c < last; ++c) {
+      float* rows[2] = {partial_rows[0] ? partial_rows[0] + c * d : nullptr,
+                        partial_rows[1] ? partial_rows[1] + c * d : nullptr};
+      kernel(p, g, c * chunk, std::min(tokens, (c + 1) * chunk), work, rows);
+    }
+  });
+  py::object weight_grads[2] = {py::none(), py::none()};
+  for (int i = 0; i < 2; ++i) {
+    if (partial_rows[i] == nullptr) continue;
+    at::Tensor total = at::empty({d}, at::kFloat);
+    float* out = total.data_ptr<float>();
+    for (int64_t j = 0; j < d; ++j) {
+      double sum = 0.0;
+      for (int64_t c = 0; c < chunks; ++c) sum += partial_rows[i][c * d + j];
+      out[j] = static_cast<float>(sum);
+    }
+    weight_grads[i] = py::cast(total);
+  }
+  return py::make_tuple(grad_qkv, weight_grads[0], weight_grads[1]);
+}
+
 }  // namespace
 
 #ifndef TORCH_EXTENSION_NAME  // defined by torch.utils.cpp_extension
@@ -466,6 +736,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_isa", &set_isa, "set_isa(name) -> previous name: run the kernels with instruction "
         "set name (one of available_isas())");
   m.def("available_isas", &available_isas, "instruction sets this CPU can run, best last");
+  m.def("prologue", &prologue, py::arg("args"), py::arg("mrope_axis") = std::nullopt,
+        "prologue(args: PrologueArgs, mrope_axis=None) -> None: the fused prologue's forward, "
+        "writing args.q_out/k_out/v_out (or qkv in place) and the KV cache");
+  m.def("prologue_backward", &prologue_backward, py::arg("args"), py::arg("grad_q"),
+        py::arg("grad_k"), py::arg("grad_v"), py::arg("mrope_axis") = std::nullopt,
+        "prologue_backward(args, grad_q, grad_k, grad_v, mrope_axis=None) -> (grad_qkv, "
+        "grad_q_weight, grad_k_weight): weight gradients float32 [D] or None");
   py::class_<BoundRope>(m, "BoundRope")
       .def(py::init([](at::Tensor cos, at::Tensor sin, std::optional<at::Tensor> freq_turns,
                        double attention_factor, int64_t layout, int64_t rotary_dim,

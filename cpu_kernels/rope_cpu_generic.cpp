@@ -7,6 +7,7 @@
 
 #define ROPE_CPU_ISA_NS rope_cpu_generic
 #include "rope_cpu_kernel.h"
+#include "rope_cpu_prologue.h"
 
 namespace rope_cpu_generic {
 namespace {
@@ -101,9 +102,20 @@ struct GenericSimd {
     for (int l = 0; l < W; ++l) r.v[l] = x;
     return r;
   }
+  static F add(F a, F b) {
+    for (int l = 0; l < W; ++l) a.v[l] += b.v[l];
+    return a;
+  }
   static F mul(F a, F b) {
     for (int l = 0; l < W; ++l) a.v[l] *= b.v[l];
     return a;
+  }
+  static float sum16(F lo, F hi) {
+    F a = add(lo, hi);
+    for (int width = W / 2; width > 0; width /= 2) {
+      for (int l = 0; l < width; ++l) a.v[l] += a.v[l + width];
+    }
+    return a.v[0];
   }
   static F fmadd(F a, F b, F c) {
     for (int l = 0; l < W; ++l) a.v[l] = fused_or_plain(a.v[l], b.v[l], c.v[l]);
@@ -150,4 +162,14 @@ RopeF16 GenericSimd::from_float<RopeF16>(float x) {
 
 void rope_cpu_tokens_generic(const RopeCpuParams& p, int64_t begin, int64_t end) {
   rope_cpu_generic::run_tokens<rope_cpu_generic::GenericSimd>(p, begin, end);
+}
+
+void rope_cpu_prologue_generic(const RopeCpuPrologueParams& p, int64_t begin, int64_t end,
+    float* work) {
+  rope_cpu_generic::run_prologue<rope_cpu_generic::GenericSimd>(p, begin, end, work);
+}
+
+void rope_cpu_prologue_backward_generic(const RopeCpuPrologueParams& p,
+    const RopeCpuPrologueGrads& g, int64_t begin, int64_t end, float* work, float* const weight_grad[2]) {
+  rope_cpu_generic::run_prologue_backward<rope_cpu_generic::GenericSimd>(p, g, begin, end, work, weight_grad);
 }

@@ -9,7 +9,9 @@
 // run_tokens<V>. V provides, for W float32 lanes of type V::F:
 //   load(const T*), store(T*, F)           T = float, RopeBf16, RopeF16; W elements
 //   load_n(const T*, n), store_n(T*, F, n) the first n < W elements only (never touches others)
-//   set1, mul, fmadd(a, b, c) = a*b + c, fmsub(a, b, c) = a*b - c
+//   set1, add, mul, fmadd(a, b, c) = a*b + c, fmsub(a, b, c) = a*b - c
+//   sum16(a) (W = 16) or sum16(lo, hi) (W = 8): the sum of 16 lanes l, added as (l, l + 8), then
+//     (l, l + 4), (l, l + 2), (l, l + 1): one order for every W
 //   dup_pairs(const float* c) = {c0, c0, c1, c1, ...} from W/2 floats; dup_pairs_n(c, m): m < W/2
 //   swap_pairs(v) = {v1, v0, v3, v2, ...}
 //   to_float(T), from_float<T>(float), fmadd_s, fmsub_s: the same operations on one element.
@@ -226,21 +228,31 @@ void mrope_angles(const RopeCpuParams& p, Block& blk, float* scratch) {
 // ---------------------------------------------------------------------------------------------
 // Load / rotate / store: one head's rotary dims (stride 1 on head_dim).
 
-// neox: pairs (i, i + half). kHalf > 0: half known at compile time.
-template <class V, class T, int kHalf>
-inline void rotate_neox(const T* in, T* out, const float* c, const float* s, int64_t half_rt,
+// What the rotations read: a row of elements of type T, as float32 vectors. (The prologue reads
+// rows it normalises on the fly through a source of its own with the same two functions.)
+template <class V, class T>
+struct RowSource {
+  const T* row;
+  typename V::F load(int64_t i) const { return V::load(row + i); }
+  typename V::F load_n(int64_t i, int n) const { return V::load_n(row + i, n); }
+};
+
+// neox: pairs (i, i + half) of `in` (a source, as RowSource) into out. kHalf > 0: half known
+// at compile time.
+template <class V, class Src, class Out, int kHalf>
+inline void rotate_neox(const Src& in, Out* out, const float* c, const float* s, int64_t half_rt,
                         typename V::F sign) {
   const int64_t half = kHalf > 0 ? kHalf : half_rt;
   int64_t i = 0;
   for (; i + V::W <= half; i += V::W) {
-    const auto x = V::load(in + i), y = V::load(in + half + i);
+    const auto x = in.load(i), y = in.load(half + i);
     const auto cv = V::load(c + i), sv = V::mul(V::load(s + i), sign);
     V::store(out + i, V::fmsub(x, cv, V::mul(y, sv)));
     V::store(out + half + i, V::fmadd(y, cv, V::mul(x, sv)));
   }
   if ((kHalf == 0 || kHalf % V::W != 0) && i < half) {
     const int n = static_cast<int>(half - i);
-    const auto x = V::load_n(in + i, n), y = V::load_n(in + half + i, n);
+    const auto x = in.load_n(i, n), y = in.load_n(half + i, n);
     const auto cv = V::load_n(c + i, n), sv = V::mul(V::load_n(s + i, n), sign);
     V::store_n(out + i, V::fmsub(x, cv, V::mul(y, sv)), n);
     V::store_n(out + half + i, V::fmadd(y, cv, V::mul(x, sv)), n);
@@ -248,23 +260,37 @@ inline void rotate_neox(const T* in, T* out, const float* c, const float* s, int
 }
 
 // gptj: pairs (2i, 2i + 1), rotated as v*c + swap(v)*(-s, +s, ...): the same roundings as neox.
-template <class V, class T, int kHalf>
-inline void rotate_gptj(const T* in, T* out, const float* c, const float* s, int64_t half_rt,
+template <class V, class Src, class Out, int kHalf>
+inline void rotate_gptj(const Src& in, Out* out, const float* c, const float* s, int64_t half_rt,
                         typename V::F alternating_sign) {
   const int64_t n_rot = 2 * (kHalf > 0 ? kHalf : half_rt);
   int64_t j = 0;
   for (; j + V::W <= n_rot; j += V::W) {
-    const auto v = V::load(in + j);
+    const auto v = in.load(j);
     const auto cv = V::dup_pairs(c + j / 2);
     const auto sv = V::mul(V::dup_pairs(s + j / 2), alternating_sign);
     V::store(out + j, V::fmadd(v, cv, V::mul(V::swap_pairs(v), sv)));
   }
   if ((kHalf == 0 || (2 * kHalf) % V::W != 0) && j < n_rot) {
     const int n = static_cast<int>(n_rot - j);  // even
-    const auto v = V::load_n(in + j, n);
+    const auto v = in.load_n(j, n);
     const auto cv = V::dup_pairs_n(c + j / 2, n / 2);
     const auto sv = V::mul(V::dup_pairs_n(s + j / 2, n / 2), alternating_sign);
     V::store_n(out + j, V::fmadd(v, cv, V::mul(V::swap_pairs(v), sv)), n);
+  }
+}
+
+// The sine's signs of rotate_neox (all +1, or -1 for the inverse) or rotate_gptj (-1, +1, ...
+// alternating, negated for the inverse).
+template <class V, bool kGptj>
+inline typename V::F sine_signs(bool inverse) {
+  const float sign = inverse ? -1.0f : 1.0f;
+  if constexpr (kGptj) {
+    float lanes[V::W];
+    for (int l = 0; l < V::W; ++l) lanes[l] = (l % 2 == 0) ? -sign : sign;
+    return V::load(lanes);
+  } else {
+    return V::set1(sign);
   }
 }
 
@@ -280,22 +306,14 @@ void rotate_tensor(const RopeCpuParams& p, const RopeCpuTensor& t, const Block& 
   const int64_t half = kHalf > 0 ? kHalf : p.half;
   const int64_t n_rot = 2 * half;
   const int64_t n_tail = p.copy_passthrough ? p.head_dim - n_rot : 0;
-  const float sign = p.inverse ? -1.0f : 1.0f;
-  typename V::F sign_v;
-  if constexpr (kGptj) {
-    float lanes[V::W];
-    for (int l = 0; l < V::W; ++l) lanes[l] = (l % 2 == 0) ? -sign : sign;
-    sign_v = V::load(lanes);
-  } else {
-    sign_v = V::set1(sign);
-  }
+  const typename V::F sign_v = sine_signs<V, kGptj>(p.inverse);
   auto row = [&](int64_t j, int64_t h) {
     const T* x = in + blk.b[j] * is[0] + blk.s[j] * is[1] + h * is[2];
     T* y = out + blk.b[j] * os[0] + blk.s[j] * os[1] + h * os[2];
     if constexpr (kGptj) {
-      rotate_gptj<V, T, kHalf>(x, y, blk.cos[j], blk.sin[j], half, sign_v);
+      rotate_gptj<V, RowSource<V, T>, T, kHalf>({x}, y, blk.cos[j], blk.sin[j], half, sign_v);
     } else {
-      rotate_neox<V, T, kHalf>(x, y, blk.cos[j], blk.sin[j], half, sign_v);
+      rotate_neox<V, RowSource<V, T>, T, kHalf>({x}, y, blk.cos[j], blk.sin[j], half, sign_v);
     }
     if (n_tail > 0) __builtin_memcpy(y + n_rot, x + n_rot, n_tail * sizeof(T));
   };
@@ -395,28 +413,38 @@ AngleFn pick_angles_for_table(int angles) {
 }
 
 template <class V>
+AngleFn pick_angles(const RopeCpuParams& p) {
+  return p.table_dtype == ROPE_CPU_BF16  ? pick_angles_for_table<V, RopeBf16>(p.angles)
+         : p.table_dtype == ROPE_CPU_F16 ? pick_angles_for_table<V, RopeF16>(p.angles)
+                                         : pick_angles_for_table<V, float>(p.angles);
+}
+
+// The next `count` tokens from (b, s) on into blk; (b, s) moves past them.
+inline void next_block(Block& blk, int64_t count, int64_t seq, int64_t& b, int64_t& s) {
+  blk.count = count;
+  for (int64_t j = 0; j < count; ++j) {
+    blk.b[j] = b;
+    blk.s[j] = s;
+    if (++s == seq) {
+      s = 0;
+      ++b;
+    }
+  }
+}
+
+template <class V>
 void run_tokens(const RopeCpuParams& p, int64_t begin, int64_t end) {
   const BlockFn rotate = p.dtype == ROPE_CPU_BF16  ? pick_for_type<V, RopeBf16>(p)
                          : p.dtype == ROPE_CPU_F16 ? pick_for_type<V, RopeF16>(p)
                                                    : pick_for_type<V, float>(p);
-  const AngleFn angles = p.table_dtype == ROPE_CPU_BF16  ? pick_angles_for_table<V, RopeBf16>(p.angles)
-                         : p.table_dtype == ROPE_CPU_F16 ? pick_angles_for_table<V, RopeF16>(p.angles)
-                                                         : pick_angles_for_table<V, float>(p.angles);
+  const AngleFn angles = pick_angles<V>(p);
   alignas(64) float scratch[kScratchFloats];
   int64_t per_block = kScratchFloats / (2 * p.half);  // the binding keeps half <= kScratchFloats/2
   if (per_block > kMaxBlockTokens) per_block = kMaxBlockTokens;
   Block blk;
   int64_t b = begin / p.seq, s = begin - (begin / p.seq) * p.seq;
   for (int64_t t0 = begin; t0 < end; t0 += per_block) {
-    blk.count = end - t0 < per_block ? end - t0 : per_block;
-    for (int64_t j = 0; j < blk.count; ++j) {
-      blk.b[j] = b;
-      blk.s[j] = s;
-      if (++s == p.seq) {
-        s = 0;
-        ++b;
-      }
-    }
+    next_block(blk, end - t0 < per_block ? end - t0 : per_block, p.seq, b, s);
     angles(p, blk, scratch);
     rotate(p, blk);
   }

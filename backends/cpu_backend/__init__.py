@@ -1,7 +1,10 @@
 """The CPU backend: C++ kernels in cpu_kernels/, one pass over q and k.
 
 The kernels run threads over tokens (at::parallel_for), rotate in float32 and round to the
-storage type once. Each instruction set has its kernel: on x86-64 AVX-512 (with or without
+storage type once. The fused prologue (rope_ops.qkv_prologue: QKV split, per-head RMSNorm,
+rotation, KV-cache write in the data dtype or float8 e4m3) is one pass per token over its QKV
+row too, forward and backward; its norm weights' gradients are summed per chunk of tokens of a
+size the shape sets, then over the chunks in order, so they do not depend on the thread count. Each instruction set has its kernel: on x86-64 AVX-512 (with or without
 AVX512_BF16) and AVX2, chosen at run time from CPUID; everywhere else a portable one, plain loops
 the compiler vectorises. All are in one extension built for the baseline target, so one build
 serves every CPU of an architecture.
@@ -31,12 +34,12 @@ from pathlib import Path
 
 import torch
 
-from rope_ops.backend import Backend, KernelArgs, RopeCall
+from rope_ops.backend import Backend, KernelArgs, PrologueArgs, RopeCall, prologue_forward_torch
 
 EXT_NAME = "rope_ops_cpu_ext"
 SOURCES = ("rope_cpu_binding.cpp", "rope_cpu_generic.cpp", "rope_cpu_avx2.cpp",
            "rope_cpu_avx512.cpp", "rope_cpu_avx512bf16.cpp")
-HEADERS = ("rope_cpu.h", "rope_cpu_kernel.h", "rope_cpu_avx512_simd.h")
+HEADERS = ("rope_cpu.h", "rope_cpu_kernel.h", "rope_cpu_prologue.h", "rope_cpu_avx512_simd.h")
 ISA_ENV = "ROPE_OPS_CPU_ISA"
 PREBUILD_COMMAND = "python -m rope_ops_backends.cpu_backend build"
 # The kernels keep rows computed on the fly on the stack: rotary_dim up to this (kMaxHalf in
@@ -167,6 +170,22 @@ def _mrope_axes(section: tuple, interleaved: bool) -> torch.Tensor:
     return mrope_axes(section, interleaved).contiguous()
 
 
+def _prologue_axes(args: PrologueArgs):
+    if args.rotate and args.angles == "mrope":
+        return _mrope_axes(tuple(args.mrope_section), bool(args.mrope_interleaved))
+    return None
+
+
+def _rows_of(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An output gradient as the kernels read it: the data dtype, stride 1 along head_dim (any
+    other strides, broadcast ones included)."""
+    if grad.dtype != dtype:
+        grad = grad.to(dtype)
+    if grad.stride(-1) != 1 and grad.shape[-1] > 1:
+        grad = grad.contiguous()
+    return grad
+
+
 class CpuBackend(Backend):
     name = "cpu"
     priority = 10  # above the torch fallback
@@ -175,6 +194,8 @@ class CpuBackend(Backend):
     dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
     angle_kinds = frozenset(_ANGLE_CODES)
     table_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    supports_prologue = True
+    prologue_cache_dtypes = frozenset(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 
     def availability(self) -> list[str]:
         reasons = _state["reasons"]
@@ -207,6 +228,22 @@ class CpuBackend(Backend):
                            args.cos, args.sin, args.freq_turns, args.attention_factor,
                            _LAYOUT_CODES[args.layout], args.rotary_dim, args.interleaved,
                            args.inverse, args.inplace, _ANGLE_CODES[args.angles], axes)
+
+    def run_prologue(self, args: PrologueArgs) -> None:
+        """The fused prologue's forward: q, k, v into args.q_out/k_out/v_out (or q and k into
+        args.qkv in place), and the rotated k and v into the cache at args.slots."""
+        if not args.inplace and any(t.stride(-1) != 1 and t.shape[-1] > 1
+                                    for t in (args.q_out, args.k_out, args.v_out)):
+            prologue_forward_torch(args)  # outputs rope_ops never allocates: the torch ops
+            return
+        module = _state["module"] or _module()
+        module.prologue(args, _prologue_axes(args))
+
+    def run_prologue_backward(self, args: PrologueArgs, grad_q, grad_k, grad_v):
+        """(grad_qkv, grad of q_weight, grad of k_weight); weight gradients float32 [D] or None."""
+        module = _state["module"] or _module()
+        grads = [None if g is None else _rows_of(g, args.qkv.dtype) for g in (grad_q, grad_k, grad_v)]
+        return module.prologue_backward(args, *grads, _prologue_axes(args))
 
     def bind(self, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved, inverse):
         """The C++ BoundRope (with a C++ guard): rope_ops.apply's cached plans call it with
