@@ -1,8 +1,11 @@
-"""``python -m rope_ops_backends.cpu_backend build [--force] [--verbose]`` | ``info``
+"""``python -m rope_ops_backends.cpu_backend build [--force] [--verbose]`` | ``info`` |
+``bench-prologue [...]``
 
 ``build`` compiles the CPU extension into the cache (``rope_ops_backends._build.cache_root()``)
 so that the first rope_ops call on the CPU does not; ``--force`` removes this extension's cached
 builds first. ``info`` says what the backend would say about this machine, building nothing.
+``bench-prologue`` times the fused prologue against the unfused pipeline (see ``bench``; its
+options after the command name).
 """
 
 from __future__ import annotations
@@ -16,12 +19,19 @@ from . import EXT_NAME, available_isas, build, compile_flags, isa, toolchain_rea
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench-prologue"]:
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m rope_ops_backends.cpu_backend")
     sub = parser.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="compile the CPU extension into the cache")
     b.add_argument("--force", action="store_true", help="remove this extension's cached builds first")
     b.add_argument("--verbose", action="store_true", help="show the compiler commands")
     sub.add_parser("info", help="print the toolchain's reasons and flags, build nothing")
+    sub.add_parser("bench-prologue", help="time the fused prologue against the unfused pipeline "
+                   "(options: bench-prologue --help)")
     args = parser.parse_args(argv)
     from .._build import cache_root
 
