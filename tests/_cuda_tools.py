@@ -10,6 +10,7 @@ and the host emulation (tests/csrc/), built once per test process:
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import importlib.util
@@ -61,7 +62,10 @@ def cuda_home(nvcc: str) -> Path:
 
 @functools.cache
 def _build_dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="rope_cuda_emulation_"))
+    """A private directory for this process's builds, removed when it exits."""
+    path = Path(tempfile.mkdtemp(prefix="rope_cuda_emulation_"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 @functools.cache
