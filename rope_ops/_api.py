@@ -361,6 +361,9 @@ def _make_plan(backend, call, cos, sin, freq_turns, attention_factor, layout, ro
                    interleaved, False, call)
     if not needs_grad:
         return forward
+    with_grad = getattr(forward, "with_grad", None)
+    if with_grad is not None:  # the backend records autograd itself (the CUDA backend: in C++)
+        return with_grad
     bound = (forward, bind(backend, cos, sin, freq_turns, attention_factor, layout, rotary_dim,
                            interleaved, True, call))
 

@@ -260,7 +260,13 @@ class Backend:
         device, or an int offset in (-2**62, 2**62)) that need no gradient, and returns None for
         any other. apply keeps the guard of its last inference call per set of keyword arguments
         and runs repeats through it without building its metadata key; it must be cheaper than
-        that key (the CUDA backend's is C++)."""
+        that key (the CUDA backend's is C++).
+
+        It may also have ``with_grad(q, k, pos, pos_offset) -> (q_out, k_out)``: the same call
+        recorded by autograd, used for cached calls that need a gradient instead of rope_ops'
+        own autograd.Function. Its backward must be the rotation by minus the angle (differentiable
+        again under create_graph), save the positions with a version check, and leave an unused
+        output's gradient None."""
         return None
 
     def describe(self) -> dict:
