@@ -70,7 +70,7 @@ if has verify; then
   t=$(left)
   ROPE_OPS_TEST_EXAMPLES=40 timeout "$t" python3 -m pytest -q -p no:cacheprovider --pyargs rope_ops.testing \
     --rope-backend cuda > "$OUT/conformance_cuda.txt" 2>&1 & p1=$!
-  ROPE_OPS_TEST_EXAMPLES=40 timeout "$t" python3 -m pytest -q -p no:cacheprovider --pyargs rope_ops.testing \
+  ROPE_OPS_TEST_EXAMPLES=20 timeout "$t" python3 -m pytest -q -p no:cacheprovider --pyargs rope_ops.testing \
     --rope-backend triton > "$OUT/conformance_triton.txt" 2>&1 & p2=$!
   timeout "$t" python3 tools/gpu_cuda_check.py > "$OUT/cuda_check.txt" 2>&1 & p3=$!
   timeout "$t" compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/gpu_cuda_check.py --coverage \
@@ -79,9 +79,16 @@ if has verify; then
     --pyargs rope_ops.testing --rope-backend cuda \
     -k "test_forward and (beyond or near_2p20 or negative or packed or transposed or caller_tables or thd or inplace) and (float32 or bfloat16)" \
     > "$OUT/sanitizer_suite.txt" 2>&1 & p5=$!
+  timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_integration_transformers.py \
+    tests/test_mrope.py tests/test_prologue_hf.py tests/test_torch_backend_slices.py -k "not inductor" \
+    > "$OUT/tests_hf_torch.txt" 2>&1 & p6=$!
+  timeout "$t" python3 tests/_distributed_checks.py --device cuda --rope-backend cuda,torch --world-size 2 \
+    > "$OUT/distributed_cuda.txt" 2>&1 & p7=$!
   for job in "$p1:conformance cuda:conformance_cuda" "$p2:conformance triton:conformance_triton" \
              "$p3:CUDA cases, every candidate:cuda_check" "$p4:sanitizer, every kernel:sanitizer_coverage" \
-             "$p5:sanitizer, suite forward cases:sanitizer_suite"; do
+             "$p5:sanitizer, suite forward cases:sanitizer_suite" \
+             "$p6:transformers integration, mRoPE, prologue vs HF, torch backend on CUDA:tests_hf_torch" \
+             "$p7:distributed checks, 2 ranks on the GPU:distributed_cuda"; do
     IFS=: read -r pid label file <<< "$job"
     wait "$pid"; rc=$?
     echo "--- $label: exit $rc"; tail -4 "$OUT/$file.txt"
