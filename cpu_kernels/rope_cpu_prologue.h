@@ -35,20 +35,37 @@ constexpr int64_t kBackwardGroupHeads = (ROPE_CPU_PROLOGUE_WORK_ROWS - 1) / 2;
 
 constexpr int kSumLanes = 32;
 
-// A float32 sum of products over one head in kSumLanes lanes (see the file comment).
+// A compile-time index (an accumulator slot).
+template <int A>
+struct Slot {
+  static constexpr int value = A;
+};
+
+template <int A, int N, class Fn>
+inline void unroll(Fn& fn) {
+  if constexpr (A < N) {
+    fn(Slot<A>{});
+    unroll<A + 1, N>(fn);
+  }
+}
+
+// A float32 sum of products over one head in kSumLanes lanes (see the file comment): the
+// elements [i, i + W) of each vector go to accumulator (i / W) % kVectors, a compile-time slot
+// (for_each_vector), so that the accumulators stay in registers.
 template <class V>
 class LaneSum {
  public:
   static_assert(V::W == 8 || V::W == 16, "head sums are written for 8 or 16 lanes a vector");
+  static constexpr int kVectors = kSumLanes / V::W;
   using F = typename V::F;
 
   LaneSum() {
     for (int a = 0; a < kVectors; ++a) acc_[a] = V::set1(0.0f);
   }
-  // Adds a*b for the elements [i, i + W) (i a multiple of W; lanes past the head hold zeros).
-  void add(int64_t i, F a, F b) {
-    const int slot = static_cast<int>((i / V::W) % kVectors);
-    acc_[slot] = V::fmadd(a, b, acc_[slot]);
+  // Adds a*b (lanes past the head hold zeros) into slot A.
+  template <int A>
+  void add(Slot<A>, F a, F b) {
+    acc_[A] = V::fmadd(a, b, acc_[A]);
   }
   // Lanes (l, l + 16) first, then V::sum16's tree.
   float total() const {
@@ -60,26 +77,50 @@ class LaneSum {
   }
 
  private:
-  static constexpr int kVectors = kSumLanes / V::W;
   F acc_[kVectors];
 };
+
+// Calls step(i, n, slot) for the vectors of a head of d elements in order: i the first element,
+// n its element count (W, or fewer for the last), slot its LaneSum accumulator.
+template <class V, class Step>
+inline void for_each_vector(int64_t d, Step step) {
+  int64_t i = 0;
+  for (; i + kSumLanes <= d; i += kSumLanes) {
+    auto full = [&](auto slot) { step(i + decltype(slot)::value * V::W, V::W, slot); };
+    unroll<0, LaneSum<V>::kVectors>(full);
+  }
+  if (i < d) {
+    auto rest = [&](auto slot) {
+      const int64_t at = i + decltype(slot)::value * V::W;
+      if (at < d) step(at, d - at < V::W ? static_cast<int>(d - at) : V::W, slot);
+    };
+    unroll<0, LaneSum<V>::kVectors>(rest);
+  }
+}
+
+template <class V, class P>
+inline typename V::F load_some(const P* x, int n) {
+  return n == V::W ? V::load(x) : V::load_n(x, n);
+}
+
+template <class V, class P>
+inline void store_some(P* x, typename V::F v, int n) {
+  if (n == V::W) {
+    V::store(x, v);
+  } else {
+    V::store_n(x, v, n);
+  }
+}
 
 // x[0, d) to float32 in `row`; returns rsqrt(mean(x^2) + eps), all in float32.
 template <class V, class T>
 inline float load_rstd(const T* x, int64_t d, float eps, float* row) {
   LaneSum<V> squares;
-  int64_t i = 0;
-  for (; i + V::W <= d; i += V::W) {
-    const auto v = V::load(x + i);
-    squares.add(i, v, v);
-    V::store(row + i, v);
-  }
-  if (i < d) {
-    const int n = static_cast<int>(d - i);
-    const auto v = V::load_n(x + i, n);
-    squares.add(i, v, v);
-    V::store_n(row + i, v, n);
-  }
+  for_each_vector<V>(d, [&](int64_t i, int n, auto slot) {
+    const auto v = load_some<V>(x + i, n);
+    squares.add(slot, v, v);
+    store_some<V>(row + i, v, n);
+  });
   const float mean = squares.total() / static_cast<float>(d);
   return 1.0f / __builtin_sqrtf(mean + eps);
 }
@@ -164,26 +205,15 @@ inline float norm_backward_sums(float* xn, float* g, const float* weight, float 
                                 float* weight_grad) {
   const auto r = V::set1(rstd);
   LaneSum<V> dot;
-  int64_t i = 0;
-  for (; i + V::W <= d; i += V::W) {
-    const auto n = V::mul(V::load(xn + i), r);
-    const auto gv = V::load(g + i);
-    V::store(weight_grad + i, V::fmadd(gv, n, V::load(weight_grad + i)));
-    const auto gw = V::mul(gv, V::load(weight + i));
-    dot.add(i, gw, n);
-    V::store(xn + i, n);
-    V::store(g + i, gw);
-  }
-  if (i < d) {
-    const int m = static_cast<int>(d - i);
-    const auto n = V::mul(V::load_n(xn + i, m), r);
-    const auto gv = V::load_n(g + i, m);
-    V::store_n(weight_grad + i, V::fmadd(gv, n, V::load_n(weight_grad + i, m)), m);
-    const auto gw = V::mul(gv, V::load_n(weight + i, m));
-    dot.add(i, gw, n);
-    V::store_n(xn + i, n, m);
-    V::store_n(g + i, gw, m);
-  }
+  for_each_vector<V>(d, [&](int64_t i, int m, auto slot) {
+    const auto n = V::mul(load_some<V>(xn + i, m), r);
+    const auto gv = load_some<V>(g + i, m);
+    store_some<V>(weight_grad + i, V::fmadd(gv, n, load_some<V>(weight_grad + i, m)), m);
+    const auto gw = V::mul(gv, load_some<V>(weight + i, m));
+    dot.add(slot, gw, n);
+    store_some<V>(xn + i, n, m);
+    store_some<V>(g + i, gw, m);
+  });
   return dot.total() / static_cast<float>(d);
 }
 
