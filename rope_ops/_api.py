@@ -17,7 +17,7 @@ from ._errors import RopeError
 from ._memory import check_inplace_autograd, check_inplace_memory, check_outputs
 from ._mrope import check_section
 from ._ops import BoundRopeFunction, Spec, bind, needs_check, rotate, rotate_with_grad
-from ._tables import CACHE, table_key
+from ._tables import CACHE, freqs_spec
 from .backend import LAYOUTS, RopeCall
 from .embedding import (RotaryEmbedding, check_base, check_max_position, check_rotary_dim,
                         check_style, default_table_rows, resolve_base, rows_for)
@@ -190,6 +190,10 @@ class Angles(NamedTuple):
     style: str
     mrope_section: tuple | None
     mrope_interleaved: bool
+    # traced calls whose tables are not at hand (cos, sin, freq_turns None): the frequency
+    # parameters as text, turned into tables when the op runs (_tables.tables_from_spec)
+    spec: str = ""
+    seq_len: int | None = None
 
 
 def resolve_angles(q, pos, kw: dict, layout: str, head_dim: int, leading: tuple) -> Angles:
@@ -256,10 +260,23 @@ def resolve_angles(q, pos, kw: dict, layout: str, head_dim: int, leading: tuple)
         elif pos_tensor.device.type == "cpu" and pos_tensor.numel() and not compiling:
             _check_positions_inside(int(pos_tensor.min()), int(pos_tensor.max()) + 1, cos.shape[0])
     elif rope is not None:
-        cos, sin, freq_turns, attention_factor = _rope_tables(rope, device, seq_len, compiling)
+        if not compiling:
+            cos, sin, freq_turns, attention_factor = rope.tables(device, seq_len)
+        elif (seq_len is None or rope.rope_type not in SEQ_LEN_TYPES) and rope.cos_table.device == device:
+            cos, sin, freq_turns = rope.cos_table, rope.sin_table, rope.freq_turns
+            attention_factor = rope.attention_factor
+        else:
+            return Angles(kind, pos_tensor, pos_offset, None, None, None, 1.0, rotary_dim, style,
+                          mrope_section, mrope_interleaved, rope.freqs_spec, seq_len)
     else:
-        cos, sin, freq_turns, attention_factor = _functional_tables(
-            rotary_dim, base, scaling, max_position, seq_len, device, compiling)
+        base = resolve_base(base, scaling)
+        rows = default_table_rows(max_position)
+        if compiling:
+            return Angles(kind, pos_tensor, pos_offset, None, None, None, 1.0, rotary_dim, style,
+                          mrope_section, mrope_interleaved, _traced_spec(base, scaling, max_position, rows),
+                          seq_len)
+        freqs = frequencies(rotary_dim, base, scaling, max_position, seq_len)
+        cos, sin, freq_turns, attention_factor = CACHE.get(freqs, rows_for(freqs, rows), device)
     return Angles(kind, pos_tensor, pos_offset, cos, sin, freq_turns, attention_factor, rotary_dim,
                   style, mrope_section, mrope_interleaved)
 
@@ -316,9 +333,10 @@ def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
     interleaved = style == "gptj"
     call = RopeCall(device.type, q.dtype, layout, style, head_dim, rotary_dim,
                     q.shape[_HEADS_DIM[layout]], 0 if k is None else k.shape[_HEADS_DIM[layout]],
-                    inplace, None if pos_tensor is None else pos_tensor.dtype, freq_turns is None,
-                    needs_grad, q.stride(-1) == 1 and (k is None or k.stride(-1) == 1), angles,
-                    cos.dtype)
+                    inplace, None if pos_tensor is None else pos_tensor.dtype,
+                    freq_turns is None and not a.spec, needs_grad,
+                    q.stride(-1) == 1 and (k is None or k.stride(-1) == 1), angles,
+                    torch.float32 if cos is None else cos.dtype)
     selected = None if compiling else _select.select(call, request)
     if mode == "select":
         return selected.name if selected is not None else request
@@ -331,7 +349,7 @@ def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
             return _broadcasting(plan, tuple(pos_tensor.shape))
         return plan
     spec = Spec(layout, rotary_dim, interleaved, inplace, request, selected, angles,
-                mrope_section, mrope_interleaved)
+                mrope_section, mrope_interleaved, a.spec, -1 if a.seq_len is None else a.seq_len)
     if needs_grad:
         q_out, k_out = rotate_with_grad(spec, q, k, pos_tensor, pos_offset, cos, sin, freq_turns,
                                         attention_factor, inverse, split)
@@ -378,38 +396,9 @@ def _make_plan(backend, call, cos, sin, freq_turns, attention_factor, layout, ro
 
 
 @torch._dynamo.assume_constant_result
-def _traced_table_key(rotary_dim: str, base: float, scaling, max_position: str, seq_len: str,
-                      rows: str, device: str) -> str:
-    """Builds (once, at trace time) the tables for these frequencies and returns their cache
-    key; traced code then reads them out of the cache (see _tables). Integers come as strings:
-    formatting a symbolic size specializes it, which is what a table needs."""
-    def as_int(text):
-        return None if text == "None" else int(text)
-
-    freqs = frequencies(int(rotary_dim), base, scaling, as_int(max_position), as_int(seq_len))
-    n_rows, where = rows_for(freqs, int(rows)), torch.device(device)
-    CACHE.get(freqs, n_rows, where)
-    return table_key(freqs, n_rows, where)
-
-
-def _rope_tables(rope: RotaryEmbedding, device, seq_len, compiling):
-    if not compiling:
-        return rope.tables(device, seq_len)
-    if (seq_len is None or rope.rope_type not in SEQ_LEN_TYPES) and rope.cos_table.device == device:
-        return rope.cos_table, rope.sin_table, rope.freq_turns, rope.attention_factor
-    key = _traced_table_key(f"{rope.rotary_dim}", rope.base, rope.scaling, f"{rope.max_position}",
-                            f"{seq_len}", f"{rope._default_rows}", f"{device}")
-    return CACHE.by_key(key)
-
-
-def _functional_tables(rotary_dim, base, scaling, max_position, seq_len, device, compiling):
-    base = resolve_base(base, scaling)
-    rows = default_table_rows(max_position)
-    if compiling:
-        return CACHE.by_key(_traced_table_key(f"{rotary_dim}", base, scaling, f"{max_position}",
-                                              f"{seq_len}", f"{rows}", f"{device}"))
-    freqs = frequencies(rotary_dim, base, scaling, max_position, seq_len)
-    return CACHE.get(freqs, rows_for(freqs, rows), device)
+def _traced_spec(base: float, scaling, max_position, rows: int) -> str:
+    """freqs_spec of call arguments, evaluated at trace time (they are Python constants)."""
+    return freqs_spec(base, scaling, max_position, rows)
 
 
 # ---------------------------------------------------------------------------------------------

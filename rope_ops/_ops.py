@@ -26,9 +26,12 @@ from ._errors import BackendError
 from .backend import Backend, KernelArgs, RopeCall
 
 _LIB = torch.library.Library("rope_ops", "DEF")  # kept alive for the life of the process
-_ARGS = ("Tensor? pos, SymInt pos_offset, Tensor cos, Tensor sin, Tensor? freq_turns, "
-         "float attention_factor, str layout, int rotary_dim, bool interleaved, bool inverse, "
-         "str angles, int[] mrope_section, bool mrope_interleaved, bool needs_grad, str backend")
+# cos/sin/freq_turns None: ``freqs`` (the frequency parameters as text, _tables.freqs_spec) and
+# seq_len (-1: none) give the tables when the op runs.
+_ARGS = ("Tensor? pos, SymInt pos_offset, Tensor? cos, Tensor? sin, Tensor? freq_turns, "
+         "float attention_factor, str freqs, SymInt seq_len, str layout, SymInt rotary_dim, "
+         "bool interleaved, bool inverse, str angles, int[] mrope_section, bool mrope_interleaved, "
+         "bool needs_grad, str backend")
 _LIB.define(f"rope(Tensor q, Tensor? k, {_ARGS}) -> (Tensor, Tensor)")
 _LIB.define(f"rope_(Tensor(a!) q, Tensor(b!)? k, {_ARGS}) -> ()")
 
@@ -45,6 +48,8 @@ class Spec(NamedTuple):
     angles: str = "table"  # KernelArgs.angles
     mrope_section: tuple | None = None
     mrope_interleaved: bool = False
+    freqs: str = ""  # traced calls without tables: the frequency parameters as text
+    seq_len: int = -1  # with freqs: the sequence length they scale for (-1: none)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,16 +144,13 @@ def rotate(spec: Spec, q, k, pos, pos_offset, cos, sin, freq_turns, attention_fa
                           spec.mrope_interleaved)
         return run_backend(spec.backend, args, call)
     section = list(spec.mrope_section or ())
+    common = (pos, pos_offset, cos, sin, freq_turns, attention_factor, spec.freqs, spec.seq_len,
+              spec.layout, spec.rotary_dim, spec.interleaved, inverse, spec.angles, section,
+              spec.mrope_interleaved, needs_grad, spec.request)
     if spec.inplace:
-        torch.ops.rope_ops.rope_(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor,
-                                 spec.layout, spec.rotary_dim, spec.interleaved, inverse,
-                                 spec.angles, section, spec.mrope_interleaved, needs_grad,
-                                 spec.request)
+        torch.ops.rope_ops.rope_(q, k, *common)
         return q, k
-    made_q, made_k = torch.ops.rope_ops.rope(q, k, pos, pos_offset, cos, sin, freq_turns,
-                                             attention_factor, spec.layout, spec.rotary_dim,
-                                             spec.interleaved, inverse, spec.angles, section,
-                                             spec.mrope_interleaved, needs_grad, spec.request)
+    made_q, made_k = torch.ops.rope_ops.rope(q, k, *common)
     made_k = None if k is None else made_k
     if q_out is None:
         return made_q, made_k
@@ -174,9 +176,20 @@ def call_of(q, k, pos, cos, freq_turns, layout, rotary_dim, interleaved, inplace
                     q.stride(-1) == 1 and (k is None or k.stride(-1) == 1), angles, cos.dtype)
 
 
-def _run_op(inplace, q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout,
-            rotary_dim, interleaved, inverse, angles, mrope_section, mrope_interleaved, needs_grad,
-            request):
+def tables_of(cos, sin, freq_turns, attention_factor, freqs, seq_len, rotary_dim, device):
+    """A traced call's tables: the tensors it got, or those its frequency text describes."""
+    if cos is not None:
+        return cos, sin, freq_turns, attention_factor
+    from ._tables import tables_from_spec
+
+    return tables_from_spec(freqs, rotary_dim, None if seq_len < 0 else seq_len, device)
+
+
+def _run_op(inplace, q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, freqs, seq_len,
+            layout, rotary_dim, interleaved, inverse, angles, mrope_section, mrope_interleaved,
+            needs_grad, request):
+    cos, sin, freq_turns, attention_factor = tables_of(cos, sin, freq_turns, attention_factor, freqs,
+                                                       seq_len, rotary_dim, q.device)
     call = call_of(q, k, pos, cos, freq_turns, layout, rotary_dim, interleaved, inplace, needs_grad,
                    angles)
     backend = _select.select(call, request)
@@ -361,11 +374,11 @@ def run_prologue_backward_backend(backend: Backend, args, grad_q, grad_k, grad_v
     return grad_qkv, like_weight(grad_qw, args.q_weight), like_weight(grad_kw, args.k_weight)
 
 
-_PROLOGUE_ARGS = ("Tensor? pos, SymInt pos_offset, Tensor cos, Tensor sin, Tensor? freq_turns, "
-                  "float attention_factor, str angles, int[] mrope_section, bool mrope_interleaved, "
-                  "str layout, int num_q_heads, int num_kv_heads, int head_dim, int rotary_dim, "
-                  "bool interleaved, bool rotate, Tensor? q_weight, Tensor? k_weight, float eps, "
-                  "float weight_offset")
+_PROLOGUE_ARGS = ("Tensor? pos, SymInt pos_offset, Tensor? cos, Tensor? sin, Tensor? freq_turns, "
+                  "float attention_factor, str freqs, SymInt seq_len, str angles, int[] mrope_section, "
+                  "bool mrope_interleaved, str layout, int num_q_heads, int num_kv_heads, int head_dim, "
+                  "SymInt rotary_dim, bool interleaved, bool rotate, Tensor? q_weight, Tensor? k_weight, "
+                  "float eps, float weight_offset")
 _CACHE_ARGS = ("Tensor(c!)? k_cache, Tensor(d!)? v_cache, Tensor? slots, float k_scale, "
                "float v_scale, bool needs_grad, str backend")
 _LIB.define(f"qkv_prologue(Tensor qkv, {_PROLOGUE_ARGS}, {_CACHE_ARGS}) -> (Tensor, Tensor, Tensor)")
@@ -374,12 +387,14 @@ _LIB.define(f"qkv_prologue_backward(Tensor qkv, Tensor? grad_q, Tensor? grad_k, 
             f"{_PROLOGUE_ARGS}, str backend) -> (Tensor, Tensor, Tensor)")
 
 
-def _prologue_args(qkv, inplace, pos, pos_offset, cos, sin, freq_turns, attention_factor, angles,
-                   mrope_section, mrope_interleaved, layout, hq, hk, head_dim, rotary_dim,
-                   interleaved, rotate, q_weight, k_weight, eps, weight_offset, k_cache=None,
-                   v_cache=None, slots=None, k_scale=1.0, v_scale=1.0):
+def _prologue_args(qkv, inplace, pos, pos_offset, cos, sin, freq_turns, attention_factor, freqs,
+                   seq_len, angles, mrope_section, mrope_interleaved, layout, hq, hk, head_dim,
+                   rotary_dim, interleaved, rotate, q_weight, k_weight, eps, weight_offset,
+                   k_cache=None, v_cache=None, slots=None, k_scale=1.0, v_scale=1.0):
     from .backend import PrologueArgs
 
+    cos, sin, freq_turns, attention_factor = tables_of(cos, sin, freq_turns, attention_factor, freqs,
+                                                       seq_len, rotary_dim, qkv.device)
     return PrologueArgs(qkv, None, None, None, pos, pos_offset, cos, sin, freq_turns,
                         attention_factor, layout, hq, hk, head_dim, rotary_dim, interleaved, rotate,
                         q_weight, k_weight, eps, weight_offset, inplace, k_cache, v_cache, slots,
@@ -409,8 +424,8 @@ def _qkv_prologue_kernel(qkv, *rest):
 
 
 @torch.library.register_fake("rope_ops::qkv_prologue")
-def _qkv_prologue_fake(qkv, pos, pos_offset, cos, sin, freq_turns, attention_factor, angles,
-                       mrope_section, mrope_interleaved, layout, hq, hk, head_dim, *rest):
+def _qkv_prologue_fake(qkv, pos, pos_offset, cos, sin, freq_turns, attention_factor, freqs, seq_len,
+                       angles, mrope_section, mrope_interleaved, layout, hq, hk, head_dim, *rest):
     lead = tuple(qkv.shape[:-1])
     return tuple(qkv.new_empty(*lead, h, head_dim) for h in (hq, hk, hk))
 
@@ -438,9 +453,9 @@ def _qkv_prologue_backward_kernel(qkv, grad_q, grad_k, grad_v, *rest):
 
 @torch.library.register_fake("rope_ops::qkv_prologue_backward")
 def _qkv_prologue_backward_fake(qkv, grad_q, grad_k, grad_v, pos, pos_offset, cos, sin, freq_turns,
-                                attention_factor, angles, mrope_section, mrope_interleaved, layout, hq,
-                                hk, head_dim, rotary_dim, interleaved, rotate, q_weight, k_weight,
-                                *rest):
+                                attention_factor, freqs, seq_len, angles, mrope_section,
+                                mrope_interleaved, layout, hq, hk, head_dim, rotary_dim, interleaved,
+                                rotate, q_weight, k_weight, *rest):
     empty = qkv.new_empty(0)
     return (torch.empty_like(qkv), empty if q_weight is None else q_weight.new_empty(head_dim),
             empty if k_weight is None else k_weight.new_empty(head_dim))

@@ -8,14 +8,15 @@ tables are dropped once the cache holds more than ``ROPE_OPS_TABLE_CACHE_MB`` (d
 per device; a caller still holding a dropped table keeps using it safely (tensors are reference
 counted), it is just not shared any more.
 
-Under ``torch.compile`` the traced code reads a table out of this cache by a constant key
-(``ensure``, evaluated once at trace time): the table is a graph input, looked up on each call
-by the compiled code's guards; if it was dropped, the guards fail and the graph is retraced,
-which rebuilds it.
+Under ``torch.compile``, a call whose tables are not at hand as tensors (functional calls, a
+RotaryEmbedding used on another device or at another seq_len) passes the op a ``spec``: the
+frequency parameters as text. The op turns it into tables when it runs (``tables_from_spec``),
+so a compiled graph depends on no object and on no cache entry: a dropped table is rebuilt.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections import OrderedDict
@@ -23,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .frequencies import Frequencies, cos_sin_table
+from .frequencies import Frequencies, cos_sin_table, frequencies
 
 
 class Tables(NamedTuple):
@@ -132,3 +133,26 @@ def build_tables(freqs: Frequencies, rows: int, device: torch.device) -> Tables:
 
 
 CACHE = TableCache()
+
+
+def freqs_spec(base: float, scaling, max_position, rows: int) -> str:
+    """The frequency parameters of a call as text (what tables_from_spec takes)."""
+    return json.dumps({"base": base, "scaling": scaling, "max_position": max_position, "rows": rows},
+                      sort_keys=True)
+
+
+_parsed: dict[str, dict] = {}
+
+
+def tables_from_spec(spec: str, rotary_dim: int, seq_len: int | None, device: torch.device) -> Tables:
+    """The tables a freqs_spec describes, for ``rotary_dim`` frequencies at ``seq_len``, from
+    the cache (built if missing)."""
+    params = _parsed.get(spec)
+    if params is None:
+        params = json.loads(spec)
+        if len(_parsed) >= 256:
+            _parsed.clear()
+        _parsed[spec] = params
+    freqs = frequencies(rotary_dim, params["base"], params["scaling"], params["max_position"], seq_len)
+    rows = 0 if freqs.per_length else params["rows"]
+    return CACHE.get(freqs, rows, device)

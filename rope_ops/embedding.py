@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ._errors import RopeError
-from ._tables import CACHE, Tables, build_tables
+from ._tables import CACHE, Tables, build_tables, freqs_spec
 from .frequencies import Frequencies, check_positive, check_seq_len, frequencies, rope_type_of
 
 DEFAULT_TABLE_ROWS = 8192  # rows when the model's max_position is not given
@@ -109,6 +109,9 @@ class RotaryEmbedding(torch.nn.Module):
         self.rope_type = self.freqs.rope_type
         self.table_rows = rows_for(self.freqs, table_rows)
         self._default_rows = table_rows
+        # the frequency parameters as text: what a compiled call passes its op when this
+        # module's own tables do not serve it (another device, another seq_len)
+        self.freqs_spec = freqs_spec(self.base, self.scaling, max_position, table_rows)
         tables = build_tables(self.freqs, self.table_rows,
                               torch.device("cpu") if device is None else torch.device(device))
         self.register_buffer("cos_table", tables.cos, persistent=False)

@@ -113,6 +113,8 @@ class _Spec(NamedTuple):
     backend: object  # the selected Backend (eager); None when traced
     call: RopeCall | None
     caches: tuple  # (k_cache, v_cache, slots) or (None, None, None)
+    freqs: str = ""  # traced calls without tables: the frequency parameters as text
+    seq_len: int = -1
 
 
 def _check_int(name, value, minimum=1) -> int:
@@ -197,16 +199,19 @@ def _prepare(qkv, pos, hq, hk, head_dim, q_norm, k_norm, eps, norm_offset, rotat
     kind = angles.kind if angles else "table"
     pos_tensor = angles.pos if angles else None
     cos = angles.cos if angles else _EMPTY.get(qkv.device)
+    traced_spec = bool(angles and angles.spec)
     call = RopeCall(qkv.device.type, qkv.dtype, layout, "gptj" if interleaved else "neox", head_dim,
                     rotary_dim, hq, hk, inplace, None if pos_tensor is None else pos_tensor.dtype,
-                    angles is not None and angles.freq_turns is None, needs_grad, True, kind, cos.dtype,
+                    angles is not None and angles.freq_turns is None and not traced_spec, needs_grad,
+                    True, kind, torch.float32 if cos is None else cos.dtype,
                     "prologue", None if k_cache is None else k_cache.dtype)
     selected = None if _is_compiling() else _select.select(call, request)
     spec = _Spec(layout, angles.pos_offset if angles else 0, angles.attention_factor if angles else 1.0,
                  kind, tuple(angles.mrope_section or ()) if angles else (),
                  bool(angles and angles.mrope_interleaved), hq, hk, head_dim, rotary_dim, interleaved,
                  rotate, eps, norm_offset, inplace, k_scale, v_scale, request, selected, call,
-                 (k_cache, v_cache, slots))
+                 (k_cache, v_cache, slots), angles.spec if angles else "",
+                 -1 if not angles or angles.seq_len is None else angles.seq_len)
     args = PrologueArgs(qkv, None, None, None, pos_tensor, spec.pos_offset, cos,
                         angles.sin if angles else cos, angles.freq_turns if angles else None,
                         spec.attention_factor, layout, hq, hk, head_dim, rotary_dim, interleaved,
@@ -305,8 +310,9 @@ def _forward(spec: _Spec, qkv, q_weight, k_weight, pos, cos, sin, freq_turns):
         return run_prologue_backend(spec.backend, _args(spec, qkv, q_weight, k_weight, pos, cos, sin,
                                                         freq_turns), spec.call)
     k_cache, v_cache, slots = spec.caches
-    common = (pos, spec.pos_offset, cos, sin, freq_turns, spec.attention_factor, spec.angles,
-              list(spec.mrope_section), spec.mrope_interleaved, spec.layout, spec.num_q_heads,
+    common = (pos, spec.pos_offset, cos, sin, freq_turns, spec.attention_factor, spec.freqs,
+              spec.seq_len, spec.angles, list(spec.mrope_section), spec.mrope_interleaved,
+              spec.layout, spec.num_q_heads,
               spec.num_kv_heads, spec.head_dim, spec.rotary_dim, spec.interleaved, spec.rotate,
               q_weight, k_weight, spec.eps, spec.weight_offset, k_cache, v_cache, slots,
               spec.k_scale, spec.v_scale, spec.call.needs_grad, spec.request)
@@ -343,7 +349,8 @@ class PrologueFunction(torch.autograd.Function):
         else:
             grads = torch.ops.rope_ops.qkv_prologue_backward(
                 qkv, grad_q, grad_k, grad_v, pos, spec.pos_offset, cos, sin, freq_turns,
-                spec.attention_factor, spec.angles, list(spec.mrope_section), spec.mrope_interleaved,
+                spec.attention_factor, spec.freqs, spec.seq_len, spec.angles,
+                list(spec.mrope_section), spec.mrope_interleaved,
                 spec.layout, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, spec.rotary_dim,
                 spec.interleaved, spec.rotate, q_weight, k_weight, spec.eps, spec.weight_offset,
                 spec.request)

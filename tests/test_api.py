@@ -99,20 +99,34 @@ def test_inplace_disjoint_views_of_one_tensor_are_allowed():
         rope_ops.apply(expanded, None, 0, inplace=True)
 
 
+def test_op_tables_from_text_when_traced_calls_have_none():
+    """A traced call without tables passes the op its frequency parameters as text; the op
+    builds (or finds) the tables when it runs, equal to the eager call's."""
+    from rope_ops._tables import freqs_spec
+
+    q = torch.randn(2, 5, 4, 16)
+    pos = torch.randint(0, 100, (2, 5))
+    spec = freqs_spec(777.0, None, 64, 64)
+    got_q, _ = torch.ops.rope_ops.rope(q, None, pos, 0, None, None, None, 1.0, spec, -1, "bshd", 16,
+                                       False, False, "table", [], False, False, "torch")
+    want, _ = rope_ops.apply(q, None, pos, base=777.0, max_position=64, backend="torch")
+    assert torch.equal(got_q, want)
+
+
 def test_op_registration_passes_opcheck():
     q, k = torch.randn(2, 5, 4, 16), torch.randn(2, 5, 2, 16)
     pos = torch.randint(0, 40, (2, 5))
     rope = rope_ops.RotaryEmbedding(16, max_position=32)
     cos, sin, turns, factor = rope.tables(torch.device("cpu"))
     torch.library.opcheck(torch.ops.rope_ops.rope.default,
-                          (q, k, pos, 0, cos, sin, turns, factor, "bshd", 16, False, False, "table", [], False,
-                           False, "torch"))
+                          (q, k, pos, 0, cos, sin, turns, factor, "", -1, "bshd", 16, False, False, "table",
+                           [], False, False, "torch"))
     torch.library.opcheck(torch.ops.rope_ops.rope.default,
-                          (q, None, None, 3, cos, sin, None, 1.0, "bshd", 16, True, True, "table", [], False,
-                           True, "torch"))
+                          (q, None, None, 3, cos, sin, None, 1.0, "", -1, "bshd", 16, True, True, "table", [],
+                           False, True, "torch"))
     torch.library.opcheck(torch.ops.rope_ops.rope_.default,
-                          (q.clone(), k.clone(), pos, 0, cos, sin, turns, factor, "bshd", 16, False,
-                           True, "table", [], False, False, "torch"))
+                          (q.clone(), k.clone(), pos, 0, cos, sin, turns, factor, "", -1, "bshd", 16,
+                           False, True, "table", [], False, False, "torch"))
 
 
 def test_fast_path_repeats_checks_that_depend_on_values():
