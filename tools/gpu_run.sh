@@ -20,6 +20,8 @@
 #                 compute-sanitizer memcheck on gpu_cuda_check.py --coverage (calls whose
 #                 candidates reach every kernel instantiation) and on the suite's forward cases
 #                 with positions past the table, views and caller tables
+#   recheck     the torch.compile tests of the suite on cuda and triton, and the distributed
+#               checks (with Python tracebacks on crashes)
 #   host        tools/host_cost.py: host time per call of each way in (decode and training)
 #   candidates  python -m rope_ops bench --candidates --providers cuda: every kernel
 #               configuration of every benchmark case timed next to the policy's choice
@@ -89,6 +91,22 @@ if has verify; then
              "$p5:sanitizer, suite forward cases:sanitizer_suite" \
              "$p6:transformers integration, mRoPE, prologue vs HF, torch backend on CUDA:tests_hf_torch" \
              "$p7:distributed checks, 2 ranks on the GPU:distributed_cuda"; do
+    IFS=: read -r pid label file <<< "$job"
+    wait "$pid"; rc=$?
+    echo "--- $label: exit $rc"; tail -4 "$OUT/$file.txt"
+    [ "$rc" -ne 0 ] && status=1
+  done
+fi
+if has recheck; then
+  step "recheck: torch.compile conformance on cuda and triton, distributed checks (tracebacks on crashes)"
+  t=$(left)
+  timeout "$t" python3 -m pytest -q -p no:cacheprovider --pyargs rope_ops.testing --rope-backend cuda \
+    -k "compile" > "$OUT/recheck_cuda.txt" 2>&1 & p1=$!
+  timeout "$t" python3 -m pytest -q -p no:cacheprovider --pyargs rope_ops.testing --rope-backend triton \
+    -k "compile" > "$OUT/recheck_triton.txt" 2>&1 & p2=$!
+  PYTHONFAULTHANDLER=1 timeout "$t" python3 tests/_distributed_checks.py --device cuda --rope-backend cuda,torch \
+    --world-size 2 > "$OUT/distributed_cuda.txt" 2>&1 & p3=$!
+  for job in "$p1:compile, cuda:recheck_cuda" "$p2:compile, triton:recheck_triton" "$p3:distributed:distributed_cuda"; do
     IFS=: read -r pid label file <<< "$job"
     wait "$pid"; rc=$?
     echo "--- $label: exit $rc"; tail -4 "$OUT/$file.txt"
