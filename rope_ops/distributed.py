@@ -436,14 +436,30 @@ def _wrap(local: torch.Tensor, like):
     to Replicate)."""
     from torch.distributed.tensor import DTensor
 
+    kwargs = {"grad_placements": like.placements} if _FROM_LOCAL_TAKES_GRAD_PLACEMENTS else {}
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=_global_stride(local, like.shape),
-                              grad_placements=like.placements)
+                              shape=like.shape, stride=_global_stride(local, like.shape), **kwargs)
 
 
 def _unwrap(t):
     """The local tensor of DTensor ``t``, its gradient placed as ``t`` (see ``_wrap``)."""
     return t.to_local(grad_placements=t.placements)
+
+
+def _takes_grad_placements() -> bool:
+    """Whether DTensor.from_local takes grad_placements (newer torch; without it a Partial
+    gradient comes back reduced, one all-reduce, instead of staying Partial)."""
+    import inspect
+
+    try:
+        from torch.distributed.tensor import DTensor
+
+        return "grad_placements" in inspect.signature(DTensor.from_local).parameters
+    except (ImportError, TypeError, ValueError):
+        return False
+
+
+_FROM_LOCAL_TAKES_GRAD_PLACEMENTS = torch.distributed.is_available() and _takes_grad_placements()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -714,8 +730,9 @@ def _refusing(rule):
 
 
 def _rope_rule(has_outputs: bool):
-    def rule(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, layout, rotary_dim,
-             interleaved, inverse, angles, mrope_section, mrope_interleaved, needs_grad, backend):
+    def rule(q, k, pos, pos_offset, cos, sin, freq_turns, attention_factor, freqs, seq_len, layout,
+             rotary_dim, interleaved, inverse, angles, mrope_section, mrope_interleaved, needs_grad,
+             backend):
         _, Replicate, _ = _placement_types()
         n = len(q.placements)
         batch_dim, seq_dim, _, _ = LAYOUT_DIMS[layout]
@@ -741,8 +758,9 @@ def _rope_rule(has_outputs: bool):
         for i in range(n):
             outputs = [q.placements[i], Replicate() if k is None else k.placements[i]]
             inputs = [q.placements[i], None if k is None else k.placements[i],
-                      None if pos is None else pos_target[i], None, table[i], table[i],
-                      None if freq_turns is None else Replicate()] + [None] * 10
+                      None if pos is None else pos_target[i], None,
+                      None if cos is None else table[i], None if sin is None else table[i],
+                      None if freq_turns is None else Replicate()] + [None] * 12
             strategies.append((outputs if has_outputs else [], inputs))
         return strategies
 
@@ -773,7 +791,8 @@ def _prologue_angles(sharding, qkv, pos, cos, sin, freq_turns, angles, layout, r
     else:
         table = [Replicate()] * n
     for name, t in (("cos", cos), ("sin", sin)):
-        _check_follows(name, t.placements, table)
+        if t is not None:
+            _check_follows(name, t.placements, table)
     if freq_turns is not None:
         _check_follows("freq_turns", freq_turns.placements, [Replicate()] * n)
     if pos is not None:
@@ -789,10 +808,10 @@ def _prologue_angles(sharding, qkv, pos, cos, sin, freq_turns, angles, layout, r
 
 
 def _prologue_rule(has_outputs: bool):
-    def rule(qkv, pos, pos_offset, cos, sin, freq_turns, attention_factor, angles, mrope_section,
-             mrope_interleaved, layout, num_q_heads, num_kv_heads, head_dim, rotary_dim, interleaved,
-             rotate, q_weight, k_weight, eps, weight_offset, k_cache, v_cache, slots, k_scale, v_scale,
-             needs_grad, backend):
+    def rule(qkv, pos, pos_offset, cos, sin, freq_turns, attention_factor, freqs, seq_len, angles,
+             mrope_section, mrope_interleaved, layout, num_q_heads, num_kv_heads, head_dim, rotary_dim,
+             interleaved, rotate, q_weight, k_weight, eps, weight_offset, k_cache, v_cache, slots,
+             k_scale, v_scale, needs_grad, backend):
         _, Replicate, _ = _placement_types()
         sharding = _prologue_sharding(qkv, layout)
         pos_t, table, turns = _prologue_angles(sharding, qkv, pos, cos, sin, freq_turns, angles, layout,
@@ -810,7 +829,8 @@ def _prologue_rule(has_outputs: bool):
             def rep(t):
                 return None if t is None else Replicate()
 
-            inputs = ([p, pos_t[i], None, table[i], table[i], turns[i]] + [None] * 11
+            inputs = ([p, pos_t[i], None, None if cos is None else table[i],
+                       None if sin is None else table[i], turns[i]] + [None] * 13
                       + [rep(q_weight), rep(k_weight), None, None, rep(k_cache), rep(v_cache),
                          rep(slots)] + [None] * 4)
             strategies.append(([p, p, p] if has_outputs else [], inputs))
@@ -820,9 +840,10 @@ def _prologue_rule(has_outputs: bool):
 
 
 def _prologue_backward_rule(qkv, grad_q, grad_k, grad_v, pos, pos_offset, cos, sin, freq_turns,
-                            attention_factor, angles, mrope_section, mrope_interleaved, layout,
-                            num_q_heads, num_kv_heads, head_dim, rotary_dim, interleaved, rotate,
-                            q_weight, k_weight, eps, weight_offset, backend):
+                            attention_factor, freqs, seq_len, angles, mrope_section,
+                            mrope_interleaved, layout, num_q_heads, num_kv_heads, head_dim,
+                            rotary_dim, interleaved, rotate, q_weight, k_weight, eps, weight_offset,
+                            backend):
     Partial, Replicate, _ = _placement_types()
     sharding = _prologue_sharding(qkv, layout)
     pos_t, table, turns = _prologue_angles(sharding, qkv, pos, cos, sin, freq_turns, angles, layout,
@@ -842,8 +863,9 @@ def _prologue_backward_rule(qkv, grad_q, grad_k, grad_v, pos, pos_offset, cos, s
             return None if t is None else Replicate()
 
         outputs = [p, weight_grad(q_weight), weight_grad(k_weight)]
-        inputs = ([p, grad(grad_q), grad(grad_k), grad(grad_v), pos_t[i], None, table[i], table[i],
-                   turns[i]] + [None] * 11 + [rep(q_weight), rep(k_weight), None, None, None])
+        inputs = ([p, grad(grad_q), grad(grad_k), grad(grad_v), pos_t[i], None,
+                   None if cos is None else table[i], None if sin is None else table[i],
+                   turns[i]] + [None] * 13 + [rep(q_weight), rep(k_weight), None, None, None])
         strategies.append((outputs, inputs))
     return strategies
 

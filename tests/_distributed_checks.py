@@ -604,11 +604,14 @@ def check_refusals(c: Ctx):
 def _replicated_tables(c, mesh, rotary_dim):
     """(cos, sin, freq_turns, attention_factor): the tables rope_ops.apply(..., base=BASE)
     uses, replicated."""
-    from rope_ops._api import _functional_tables
+    from rope_ops._tables import CACHE
+    from rope_ops.embedding import DEFAULT_TABLE_ROWS
+    from rope_ops.frequencies import frequencies
     from torch.distributed.tensor import Replicate
 
-    cos, sin, turns, factor = _functional_tables(rotary_dim, BASE, None, None, None, c.device, False)
-    return (*(placed(t, mesh, [Replicate()] * mesh.ndim) for t in (cos, sin, turns)), factor)
+    cos, sin, turns, factor = CACHE.get(frequencies(rotary_dim, BASE, None, None, None),
+                                        DEFAULT_TABLE_ROWS, c.device)
+    return (*(placed(t, mesh, [Replicate()] * mesh.ndim) for t in (cos, sin, turns)), factor, "", -1)
 
 
 def check_ops(c: Ctx):
@@ -705,8 +708,8 @@ def check_compile(c: Ctx):
     tables = _replicated_tables(c, mesh, d)
 
     def op(q, pos, cos, sin, turns):
-        return torch.ops.rope_ops.rope(q, None, pos, 0, cos, sin, turns, tables[3], "bshd", d, False,
-                                       False, "table", [], False, False, backend)[0]
+        return torch.ops.rope_ops.rope(q, None, pos, 0, cos, sin, turns, tables[3], "", -1, "bshd", d,
+                                       False, False, "table", [], False, False, backend)[0]
 
     dq, dpos = placed(q, mesh, [Shard(2)]), placed(pos, mesh, [Replicate()])
     eager = op(dq, dpos, *tables[:3])
@@ -881,8 +884,8 @@ def check_prologue_ops(c: Ctx):
                max_position=None, seq_len=None, mrope_section=None, mrope_interleaved=False)
     _, args, spec = _prepare(qkv, pos, hq, hk, d, weights[0], weights[1], 1e-6, 0.0, True, False, None,
                              None, None, "torch", rot)
-    rest = (args.pos_offset, args.cos, args.sin, args.freq_turns, args.attention_factor, args.angles,
-            [], False, args.layout, hq, hk, d, args.rotary_dim, args.interleaved, True)
+    rest = (args.pos_offset, args.cos, args.sin, args.freq_turns, args.attention_factor, "", -1,
+            args.angles, [], False, args.layout, hq, hk, d, args.rotary_dim, args.interleaved, True)
 
     def replicated(t):
         return placed(t, mesh, [Replicate()])
