@@ -348,7 +348,10 @@ def test_policy_and_candidates():
     h200 = tb.DeviceInfo(sm_count=132)
     w1 = tb.CallShape(16384, 32, 8, 128, 128, 2, False)
     cfg = tb.launch_policy(w1, h200, rules=tp.PROLOGUE_RULES)
-    assert cfg.label() == "walk t4 hq8 hk8 w8"  # 8 KiB chunks, 32 bytes per thread
+    assert cfg.label() == "walk t4 hq8 hk8 w4"  # 8 KiB chunks, 64 bytes per thread in the walk
+    decode = tb.CallShape(64, 32, 8, 128, 128, 2, False)
+    cfg = tb.launch_policy(decode, h200, rules=tp.PROLOGUE_RULES)
+    assert cfg.head_grid and cfg.num_warps * 32 * 32 == cfg.block_t * cfg.block_hq * 256
     case = Case(seed=10, lead=(64,), hq=8, hk=2, D=64)
     labels = tp.prologue_candidates(case.args)
     assert labels[0] == tb.launch_policy(tp.prologue_shape(case.args),

@@ -168,12 +168,14 @@ def _programs(shape: CallShape, bt: int, bhq: int, bhk: int, head_grid: bool) ->
 
 class ChunkRules(NamedTuple):
     """The constants of launch_policy: bytes a chunk moves (dense heads; rotary dims only in
-    place), heads per chunk at most, bytes per thread (warps)."""
+    place), heads per chunk at most, bytes per thread (warps) in the head grid and in the token
+    walk (None: the same)."""
 
     chunk_bytes: int = CHUNK_BYTES
     chunk_bytes_rotary_only: int = CHUNK_BYTES_ROTARY_ONLY
     max_block_h: int = MAX_BLOCK_H
     bytes_per_thread: int = CHUNK_BYTES_PER_THREAD
+    walk_bytes_per_thread: int | None = None
 
 
 ROPE_RULES = ChunkRules()
@@ -205,8 +207,10 @@ def launch_policy(shape: CallShape, device: DeviceInfo, narrow_heads: bool = Tru
                 bhq //= 2
             else:
                 bhk //= 2
-    return KernelConfig(head_grid, bt, bhq, bhk,
-                        _warps_for(bt * bhq * head_bytes, rules.bytes_per_thread))
+    per_thread = rules.bytes_per_thread
+    if not head_grid and rules.walk_bytes_per_thread is not None:
+        per_thread = rules.walk_bytes_per_thread
+    return KernelConfig(head_grid, bt, bhq, bhk, _warps_for(bt * bhq * head_bytes, per_thread))
 
 
 def candidate_configs(shape: CallShape, device: DeviceInfo,

@@ -29,8 +29,12 @@ MAX_BLOCKS_PER_PROGRAM = 16
 # norm, the rotation and (backward) the input and its gradient at once, so twice the threads of
 # the rope kernel per chunk byte and half its chunk (sm_90 compile, W1 shapes, triton 3.9: 16
 # heads x 4 tokens x 256 bytes at 8 warps took 145 registers, 8 x 4 at 8 warps 95).
+# Warps: 64 bytes per thread in the token walk, 32 in the head grid (H200, triton 3.6, 2026-12-02,
+# every candidate timed in one run: prefill QK-norm 108.1 us with 4 warps per 8 KiB chunk against
+# 126.7 with 8, in place 93.9 against 106.6, training fwd+bwd 324.0 against 521.5; decode with a
+# cache 4.71 us with 4 warps per 4 KiB chunk against 4.77 with 2 (5.85 against 4.82 with fp8)).
 PROLOGUE_RULES = ChunkRules(chunk_bytes=8192, chunk_bytes_rotary_only=8192, max_block_h=8,
-                            bytes_per_thread=32)
+                            bytes_per_thread=32, walk_bytes_per_thread=64)
 # Registers per thread at most (ptxas's .maxnreg): 16 warps per SM. Left free, ptxas schedules
 # the unrolled chunks' loads early and takes up to 204 (backward, W4 shapes) without needing
 # them (no spills at 128; tests/test_triton_compile.py checks).
