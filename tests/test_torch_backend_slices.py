@@ -23,7 +23,8 @@ SEQ_AXIS = {"bshd": 1, "sbhd": 0, "bhsd": 2, "thd": 0}
 @pytest.fixture
 def small_slices(monkeypatch):
     # a token is 96-192 rotary elements here (B <= 2, 3 heads, 32 dims): one token per slice
-    monkeypatch.setattr(torch_backend, "_CPU_CHUNK_ELEMENTS", 100)
+    monkeypatch.setattr(torch_backend, "_CPU_CHUNK_ELEMENTS_PER_THREAD", 100)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
 
 
 def _check(q_out, k_out, q_in, k_in, pos, rope, layout, style, rotary_dim, inverse=False):
