@@ -520,6 +520,18 @@ def test_exact_refuses_frequencies_that_differ_from_the_model():
         patch(torch.nn.Sequential(make_model("llama").model.layers[0]), exact=True)
 
 
+def test_exact_accepts_a_model_cast_to_bfloat16():
+    """model.to(bfloat16) rounds the rotary module's inv_freq buffers to bf16: the config's
+    frequencies still match them to that precision, and a real difference is still refused."""
+    model = make_model("llama").to(torch.bfloat16)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    with patch(model, exact=True) as handle:
+        assert handle.exact
+    model.model.rotary_emb.original_inv_freq.mul_(1.02)  # several bf16 ulps off
+    with pytest.raises(RopeError, match="differ from LlamaRotaryEmbedding's own"):
+        patch(model, exact=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # The end-to-end example, at a CPU size.
 

@@ -399,7 +399,9 @@ def _exact_angles(module: torch.nn.Module, style: str) -> dict[str, ExactAngles]
                                               device=hf_inv_freq.device)
         ours = rope.inv_freq
         theirs = hf_inv_freq.detach().to("cpu", torch.float64)
-        if (ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=3e-6, atol=0)
+        # model.to(bfloat16) casts the module's inv_freq buffers too: compare to their precision
+        rtol = max(3e-6, torch.finfo(hf_inv_freq.dtype).eps) if hf_inv_freq.is_floating_point() else 3e-6
+        if (ours.shape != theirs.shape or not torch.allclose(ours, theirs, rtol=rtol, atol=0)
                 or abs(rope.attention_factor - hf_scaling) > 1e-6 * max(1.0, abs(hf_scaling))):
             raise RopeError(
                 f"exact=True: the frequencies rope_ops builds from {type(config).__name__}"
