@@ -430,36 +430,63 @@ def _global_stride(local: torch.Tensor, shape) -> tuple:
 
 
 def _wrap(local: torch.Tensor, like):
-    """``local`` as a DTensor with ``like``'s mesh, placements and global shape. Its gradient
-    keeps those placements, Partial included: the rotation is linear, so the gradient of
-    partial sums is the partial sums of the gradients (DTensor would otherwise all-reduce it
-    to Replicate)."""
-    from torch.distributed.tensor import DTensor
-
-    kwargs = {"grad_placements": like.placements} if _FROM_LOCAL_TAKES_GRAD_PLACEMENTS else {}
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=_global_stride(local, like.shape), **kwargs)
+    """``local`` as a DTensor with ``like``'s mesh, placements and global shape (see
+    ``_from_local``)."""
+    return _from_local(local, like.device_mesh, like.placements, like.shape,
+                       _global_stride(local, like.shape))
 
 
-def _unwrap(t):
-    """The local tensor of DTensor ``t``, its gradient placed as ``t`` (see ``_wrap``)."""
-    return t.to_local(grad_placements=t.placements)
-
-
-def _takes_grad_placements() -> bool:
-    """Whether DTensor.from_local takes grad_placements (newer torch; without it a Partial
-    gradient comes back reduced, one all-reduce, instead of staying Partial)."""
-    import inspect
-
-    try:
+def _from_local(local: torch.Tensor, mesh, placements, shape, stride):
+    """``local`` as a DTensor placed ``placements``. Its gradient's local tensor passes back
+    as it is when the gradient is placed the same way, Partial included: the rotation is linear,
+    so the gradient of partial sums is the partial sums of the gradients. (torch's from_local
+    before its grad_placements argument reduced a Partial gradient, one all-reduce.)"""
+    if not torch.is_grad_enabled() or not local.requires_grad:
         from torch.distributed.tensor import DTensor
 
-        return "grad_placements" in inspect.signature(DTensor.from_local).parameters
-    except (ImportError, TypeError, ValueError):
-        return False
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return _FromLocal.apply(local, mesh, tuple(placements), torch.Size(shape), tuple(stride))
 
 
-_FROM_LOCAL_TAKES_GRAD_PLACEMENTS = torch.distributed.is_available() and _takes_grad_placements()
+def _to_local(t, grad_placements=None):
+    """The local tensor of DTensor ``t``. Its gradient goes back as a DTensor with ``t``'s own
+    shape and strides, placed ``grad_placements`` (default: as ``t``). torch's to_local derives
+    the gradient's global strides from the local tensor, which is wrong for uneven shards of a
+    dim other than the first; autograd then finds the gradient's layout unlike ``t``'s, copies
+    it into a replicated tensor, and that copy all-gathers."""
+    if not torch.is_grad_enabled() or not t.requires_grad:
+        return t.to_local()
+    placements = tuple(t.placements if grad_placements is None else grad_placements)
+    return _ToLocal.apply(t, placements)
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, mesh, placements, shape, stride):
+        from torch.distributed.tensor import DTensor
+
+        ctx.mesh, ctx.placements = mesh, placements
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if tuple(grad.placements) != ctx.placements:
+            grad = grad.redistribute(ctx.mesh, ctx.placements)
+        return grad.to_local(), None, None, None, None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, placements):
+        ctx.mesh, ctx.placements, ctx.shape, ctx.stride = t.device_mesh, placements, t.shape, t.stride()
+        return t.to_local()
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(grad, ctx.mesh, ctx.placements, run_check=False, shape=ctx.shape,
+                                  stride=ctx.stride), None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -560,7 +587,7 @@ def apply_dtensor(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run")
             local_out.append(given.to_local())
         kw["out"] = tuple(local_out)
 
-    q_local, k_local = _unwrap(q), None if k is None else _unwrap(k)
+    q_local, k_local = _to_local(q), None if k is None else _to_local(k)
     result = _api._apply(q_local, k_local, pos_local, kw, inverse, mode)
     if mode != "run":
         return result
@@ -618,7 +645,7 @@ def qkv_prologue(qkv, pos, **kwargs):
         return _prologue.qkv_prologue(qkv, pos, **kwargs)
     if qkv.dim() not in (2, 3):
         return _prologue.qkv_prologue(qkv.to_local(), pos, **kwargs)  # its RopeError
-    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor import Partial, Replicate
 
     mesh, device = qkv.device_mesh, qkv.device
     layout = "thd" if qkv.dim() == 2 else "bshd"
@@ -634,7 +661,7 @@ def qkv_prologue(qkv, pos, **kwargs):
         w = kw.get(name)
         if is_dtensor(w):
             _replicated_local(name, w, mesh)  # checks
-            kw[name] = w.to_local(grad_placements=grad_placements)
+            kw[name] = _to_local(w, grad_placements)
         elif isinstance(w, torch.Tensor) and w.requires_grad and token_split \
                 and torch.is_grad_enabled():
             raise RopeError(f"{name}: a plain tensor that requires grad, with qkv sharded along tokens, "
@@ -647,15 +674,14 @@ def qkv_prologue(qkv, pos, **kwargs):
         kw["kv_cache"] = tuple(_replicated_local("kv_cache", t, mesh) for t in kw["kv_cache"])
         if kw.get("slots") is not None:
             kw["slots"] = _replicated_local("slots", kw["slots"], mesh)
-    outs = _prologue.qkv_prologue(qkv.to_local(), pos, **kw)
+    outs = _prologue.qkv_prologue(_to_local(qkv), pos, **kw)
     if kw.get("inplace") is True and not qkv.is_inference():
         torch.autograd.graph.increment_version(qkv)
     lead = tuple(qkv.shape[:-1])
     wrapped = []
     for t in outs:
         shape = torch.Size(lead + tuple(t.shape[-2:]))
-        wrapped.append(DTensor.from_local(t, mesh, qkv.placements, run_check=False, shape=shape,
-                                          stride=_global_stride(t, shape)))
+        wrapped.append(_from_local(t, mesh, qkv.placements, shape, _global_stride(t, shape)))
     return tuple(wrapped)
 
 def _layout_of(q, k, kw):

@@ -244,14 +244,27 @@ class Failures:
 
 
 @contextlib.contextmanager
-def no_communication(what):
+def no_communication(what, allowed=None):
+    """Fails when the block communicates; ``allowed``: the collectives (CommDebugMode counts) that
+    torch itself makes for the same block without rope_ops, which rope_ops must not add to."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     mode = CommDebugMode()
     with mode:
         yield
-    counts = mode.get_total_counts()
-    assert counts == 0, f"{what}: {counts} collectives ({mode.get_comm_counts()})"
+    counts = dict(mode.get_comm_counts())
+    assert counts == dict(allowed or {}), \
+        f"{what}: {mode.get_total_counts()} collectives ({counts}; torch alone: {dict(allowed or {})})"
+
+
+def torch_collectives(block):
+    """The collectives torch makes running ``block()`` (a baseline for no_communication)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mode = CommDebugMode()
+    with mode:
+        block()
+    return dict(mode.get_comm_counts())
 
 
 def compiler_without_collectives(what):
@@ -523,8 +536,16 @@ def check_in_place(c: Ctx):
         leaf = qkv.clone().requires_grad_()
         ref = rotate_packed(leaf, rope_ops.apply, pos)
         ref.backward(grad)
+        def torch_in_place_alone():
+            # torch 2.11's backward of any in-place op on a DTensor view (CopySlices) gathers the
+            # whole gradient once; newer torch does not. rope_ops must add nothing to that.
+            x = placed(qkv, mesh, [Shard(1)]).requires_grad_()
+            y = x * 1.0
+            y[..., : h * d].mul_(1.0)
+            y.backward(placed(grad, mesh, [Shard(1)]))
+
         dleaf = placed(qkv, mesh, [Shard(1)]).requires_grad_()
-        with no_communication(what):
+        with no_communication(what, allowed=torch_collectives(torch_in_place_alone)):
             out = rotate_packed(dleaf, rd.apply, pos)
             out.backward(placed(grad, mesh, [Shard(1)]))
         assert_same(out.to_local(), expected_local(ref.detach(), out, c.rank), f"{what}: output")
