@@ -283,6 +283,7 @@ class Backend:
             "inplace": self.supports_inplace,
             "caller_tables": self.supports_caller_tables,
             "angles": sorted(self.angle_kinds),
+            "prologue": self.supports_prologue,
         }
 
     def auto_devices(self) -> frozenset[str]:

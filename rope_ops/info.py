@@ -152,12 +152,16 @@ def _summary(caps: dict) -> str:
     low, high = caps.get("head_dim", [None, None])
     head = f"head_dim {low}..{high}" if high is not None and high < (1 << 30) else f"head_dim >= {low}"
     flags = [label for key, label in (("backward", "backward"), ("inplace", "in place"),
-                                      ("caller_tables", "caller cos/sin tables")) if caps.get(key)]
+                                      ("caller_tables", "caller cos/sin tables"),
+                                      ("prologue", "fused prologue")) if caps.get(key)]
+    angles = caps.get("angles")
+    angles = "angles from " + ", ".join(angles) if angles else ""
     extras = [f"{k}: {v}" for k, v in caps.items()
               if k not in ("priority", "devices", "auto_devices", "dtypes", "layouts", "styles", "head_dim",
-                           "backward", "inplace", "caller_tables") and isinstance(v, (str, int, float, bool))]
+                           "backward", "inplace", "caller_tables", "prologue", "angles")
+              and isinstance(v, (str, int, float, bool))]
     parts = [f"devices {', '.join(caps.get('devices', []))}", dtypes, layouts,
-             "styles " + ", ".join(caps.get("styles", [])), head, *flags, *extras]
+             "styles " + ", ".join(caps.get("styles", [])), head, angles, *flags, *extras]
     return "; ".join(p for p in parts if p)
 
 
