@@ -426,12 +426,9 @@ def _unflatten_heads(q, k, head_dim, layout):
     return out[0], out[1], "thd"
 
 
-def _check_tensors(q, k, layout):
-    if not isinstance(q, torch.Tensor):
-        raise RopeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
-    if q.dtype not in _DTYPES:
-        raise RopeError(f"q: expected dtype float32, float16, bfloat16 or float64, got {q.dtype}")
-    shape = q.shape
+def layout_of(shape, layout) -> str:
+    """The layout of q (of ``shape``): the one given, checked against q's rank, or the default
+    for its rank."""
     rank = len(shape)
     if layout is None:
         layout = _DEFAULT_LAYOUT.get(rank)
@@ -443,6 +440,17 @@ def _check_tensors(q, k, layout):
     elif rank != _RANK[layout]:
         raise RopeError(f"q: layout {layout!r} needs a {_RANK[layout]}-D tensor, got {rank}-D "
                         f"shape {tuple(shape)}")
+    return layout
+
+
+def _check_tensors(q, k, layout):
+    if not isinstance(q, torch.Tensor):
+        raise RopeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+    if q.dtype not in _DTYPES:
+        raise RopeError(f"q: expected dtype float32, float16, bfloat16 or float64, got {q.dtype}")
+    shape = q.shape
+    layout = layout_of(shape, layout)
+    rank = len(shape)
     head_dim = shape[-1]
     dims = _LEADING[layout]
     leading = (shape[dims[0]],) if rank == 3 else (shape[dims[0]], shape[dims[1]])

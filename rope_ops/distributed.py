@@ -688,7 +688,7 @@ def _layout_of(q, k, kw):
     """(layout, leading (batch, seq) sizes or (tokens,), flat_heads) of DTensor q from its
     global shape; flat_heads is None unless q is [T, H*D] (head_dim=), then whether every
     sharding of its last dim leaves whole heads."""
-    from ._api import _DEFAULT_LAYOUT, _RANK
+    from ._api import layout_of
 
     shape, ndim = tuple(q.shape), q.dim()
     head_dim = kw["head_dim"]
@@ -711,17 +711,7 @@ def _layout_of(q, k, kw):
             if t.shape[-1] % (head_dim * pieces):
                 whole_heads = False
         return "thd", shape[:1], whole_heads
-    layout = kw["layout"]
-    if layout is None:
-        layout = _DEFAULT_LAYOUT.get(ndim)
-        if layout is None:
-            raise RopeError(f"q: expected a 4-D [B,S,H,D] or 3-D [T,H,D] tensor (or 2-D [T, H*D] "
-                            f"with head_dim=), got {ndim}-D shape {shape}")
-    elif not isinstance(layout, str) or layout not in _RANK:
-        raise RopeError(f"layout: expected one of {tuple(_RANK)}, got {layout!r}")
-    elif ndim != _RANK[layout]:
-        raise RopeError(f"q: layout {layout!r} needs a {_RANK[layout]}-D tensor, got {ndim}-D shape "
-                        f"{shape}")
+    layout = layout_of(shape, kw["layout"])
     batch_dim, seq_dim, _, _ = LAYOUT_DIMS[layout]
     leading = (shape[seq_dim],) if batch_dim is None else (shape[batch_dim], shape[seq_dim])
     return layout, leading, None
