@@ -58,3 +58,18 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     same = (a == b) | (torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else a == b
     if not bool(same.all()):
         raise AssertionError(f"{what}: {int((~same).sum())} of {a.numel()} elements differ")
+
+
+def run_or_skip_refusal(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``; a backend's refusal (a BackendError with reasons) skips the test,
+    a backend's failure (a BackendError without them) fails it."""
+    import pytest
+
+    from .._errors import BackendError
+
+    try:
+        return fn(*args, **kwargs)
+    except BackendError as error:
+        if error.refusals is None:
+            raise
+        pytest.skip(f"refused by the backend: {error}")

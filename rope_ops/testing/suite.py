@@ -18,7 +18,6 @@ cannot pass by refusing everything.
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ from rope_ops import registry
 
 from .._reference import rope_reference
 from .cases import Case, Inputs, make_inputs, standard_cases
-from .checks import assert_bitwise_equal, assert_rope_close
+from .checks import assert_bitwise_equal, assert_rope_close, run_or_skip_refusal
 from .suite_compile import CompileTests
 from .suite_prologue import PrologueTests
 from .suite_training import TrainingTests
@@ -98,13 +97,9 @@ class RopeConformance(TrainingTests, CompileTests, VariantTests, PrologueTests):
     @staticmethod
     def _apply(backend_name, inputs: Inputs, q=None, k=None, **extra):
         kwargs = {**inputs.kwargs, **extra}
-        try:
-            return rope_ops.apply(inputs.q if q is None else q, inputs.k if k is None else k,
-                                  inputs.pos, backend=backend_name, **kwargs)
-        except BackendError as error:
-            if error.refusals is None:  # not a refusal: the backend failed
-                raise
-            pytest.skip(f"refused by the backend: {error}")
+        return run_or_skip_refusal(rope_ops.apply, inputs.q if q is None else q,
+                                   inputs.k if k is None else k, inputs.pos, backend=backend_name,
+                                   **kwargs)
 
     @staticmethod
     def _expect_caller_range_error(case: Case, inputs: Inputs) -> bool:

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 import rope_ops
-from rope_ops import BackendError
 
-from .checks import assert_bitwise_equal
+from .checks import assert_bitwise_equal, run_or_skip_refusal
 
 _COMPILE_DEVICES = ("cpu", "cuda")
 
@@ -163,12 +162,7 @@ class CompileTests:
             compiled_q, compiled_k = q.clone(), None if k is None else k.clone()
             outs = [(torch.empty_like(q), None if k is None else torch.empty_like(k))
                     if with_out else (None, None) for _ in range(2)]
-            try:
-                want = call(eager_q, eager_k, pos, *outs[0])
-            except BackendError as error:
-                if error.refusals is None:
-                    raise
-                pytest.skip(f"refused by the backend: {error}")
+            want = run_or_skip_refusal(call, eager_q, eager_k, pos, *outs[0])
             got = compiled(compiled_q, compiled_k, pos, *outs[1])
             assert_bitwise_equal(got[0], want[0], f"{variant}: q compiled vs eager")
             if k is not None:

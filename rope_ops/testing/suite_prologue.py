@@ -15,20 +15,14 @@ import pytest
 import torch
 
 import rope_ops
-from rope_ops import BackendError, RopeError
+from rope_ops import RopeError
 
-from .._reference import prologue_reference, rms_norm_reference
-from .checks import assert_bitwise_equal, assert_rope_close
+from .._reference import prologue_reference
+from .checks import assert_bitwise_equal, assert_rope_close, run_or_skip_refusal
 from .tolerances import ulp
 
 
-def _run(fn, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except BackendError as error:
-        if error.refusals is None:
-            raise
-        pytest.skip(f"refused by the backend: {error}")
+_run = run_or_skip_refusal
 
 
 def _dtype_for(backend_obj):

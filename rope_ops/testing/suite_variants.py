@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import rope_ops
-from rope_ops import BackendError, RopeError
+from rope_ops import RopeError
 
 from .._reference import rope_reference
-from .checks import assert_bitwise_equal, assert_rope_close
+from .checks import assert_bitwise_equal, assert_rope_close, run_or_skip_refusal
 
 _HEADS_AXIS = {"bshd": 2, "sbhd": 2, "bhsd": 1, "thd": 1}
 
@@ -29,13 +29,7 @@ def _dtype_for(backend_obj):
     return next(d for d in (torch.bfloat16, torch.float32, torch.float64) if d in backend_obj.dtypes)
 
 
-def _run(fn, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except BackendError as error:
-        if error.refusals is None:
-            raise
-        pytest.skip(f"refused by the backend: {error}")
+_run = run_or_skip_refusal
 
 
 # name -> (layout, style, head_dim, rotary_dim, table dtype, form, table shape kind)
