@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "tools"
 CSRC = ROOT / "csrc"
@@ -128,3 +130,12 @@ def emulated_extension():
         extra_ldflags=[f"-L{library.parent}", "-lrope_emulation", f"-Wl,-rpath,{library.parent}",
                        f"-L{lib64}", "-lcudart", f"-Wl,-rpath,{lib64}"],
         build_directory=str(build), verbose=False)
+
+
+@pytest.fixture(scope="module")
+def ext():
+    """The CUDA extension module over the host emulation; skipped without nvcc."""
+    module = emulated_extension()
+    if module is None:
+        pytest.skip("nvcc not found (no CUDA toolkit on this machine)")
+    return module

@@ -25,30 +25,10 @@ from rope_ops.backend import KernelArgs
 from rope_ops.frequencies import reduced_angle
 from rope_ops.testing.checks import assert_bitwise_equal, assert_rope_close
 
-ISAS = ("generic", "avx2", "avx512", "avx512_bf16")
+from _cpu_support import backend, isa  # noqa: F401  (fixtures)
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _HEADS_AXIS = {"bshd": 2, "sbhd": 2, "bhsd": 1, "thd": 1}
-
-
-@pytest.fixture(scope="module")
-def backend():
-    """The cpu backend, built. Skipped only where the toolchain is missing (its documented
-    unavailable state); a build that fails where a compiler exists fails the tests."""
-    obj = cpu_backend.CpuBackend()
-    reasons = obj.availability()
-    if reasons:
-        if cpu_backend.toolchain_reasons():
-            pytest.skip(f"cpu backend unavailable here: {'; '.join(reasons)}")
-        pytest.fail(f"cpu backend failed to build: {'; '.join(reasons)}")
-    return obj
-
-
-@pytest.fixture(params=ISAS)
-def isa(request, backend):
-    if request.param not in cpu_backend.available_isas():
-        pytest.skip(f"this CPU has no {request.param} (it has {cpu_backend.available_isas()})")
-    with cpu_backend.use_isa(request.param):
-        yield request.param
 
 
 def _shape(layout, batch, seq, heads, head_dim):

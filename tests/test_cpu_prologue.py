@@ -25,29 +25,10 @@ from rope_ops.backend import PrologueArgs, prologue_backward_torch
 from rope_ops.testing.checks import assert_bitwise_equal, assert_rope_close
 from rope_ops.testing.tolerances import ulp
 
-ISAS = ("generic", "avx2", "avx512", "avx512_bf16")
+from _cpu_support import backend, isa  # noqa: F401  (fixtures)
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8 = getattr(torch, "float8_e4m3fn", None)
-
-
-@pytest.fixture(scope="module")
-def backend():
-    """The cpu backend, built; skipped only where the toolchain is missing."""
-    obj = cpu_backend.CpuBackend()
-    reasons = obj.availability()
-    if reasons:
-        if cpu_backend.toolchain_reasons():
-            pytest.skip(f"cpu backend unavailable here: {'; '.join(reasons)}")
-        pytest.fail(f"cpu backend failed to build: {'; '.join(reasons)}")
-    return obj
-
-
-@pytest.fixture(params=ISAS)
-def isa(request, backend):
-    if request.param not in cpu_backend.available_isas():
-        pytest.skip(f"this CPU has no {request.param} (it has {cpu_backend.available_isas()})")
-    with cpu_backend.use_isa(request.param):
-        yield request.param
 
 
 # (layout, q heads, kv heads, head_dim, rotary_dim, style, q norm, k norm, weight offset, angles,

@@ -15,20 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cuda_tools import emulated_extension
+from _cuda_tools import ext  # noqa: F401  (fixture)
 
 from rope_ops import registry
 from rope_ops.testing import RopeConformance
 from rope_ops_backends.cuda_backend import CudaBackend
 from rope_ops_backends.torch_backend import TorchBackend
-
-
-@pytest.fixture(scope="module")
-def ext():
-    module = emulated_extension()
-    if module is None:
-        pytest.skip("nvcc not found (no CUDA toolkit on this machine)")
-    return module
 
 
 class CpuEmulatedCudaBackend(CudaBackend):

@@ -15,7 +15,7 @@ import ctypes
 
 import pytest
 import torch
-from _cuda_tools import emulated_extension, emulation_c_api, kernels_run, load_tool
+from _cuda_tools import emulation_c_api, ext, kernels_run, load_tool  # noqa: F401  (ext: fixture)
 
 from rope_ops._reference import rope_reference
 from rope_ops.backend import KernelArgs
@@ -23,14 +23,6 @@ from rope_ops.frequencies import compute_inv_freq, cos_sin_table, freq_turns_of
 from rope_ops.testing.checks import assert_rope_close
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@pytest.fixture(scope="module")
-def ext():
-    module = emulated_extension()
-    if module is None:
-        pytest.skip("nvcc not found (no CUDA toolkit on this machine)")
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from rope_ops.integrations import kernels_hub
-from rope_ops.integrations import transformers as integration
+
+from _hf_support import rope_ops_calls  # noqa: F401  (fixture)
 
 kernels = pytest.importorskip("kernels")
 transformers = pytest.importorskip("transformers")
@@ -37,19 +38,6 @@ def rotary_func(monkeypatch):
         kernels.use_kernelized_func(func)(modeling_llama.LlamaAttention)
     monkeypatch.setattr(func, "forward", func.forward)  # kernelize rebinds it
     return func
-
-
-@pytest.fixture
-def rope_ops_calls(monkeypatch):
-    calls = []
-    original = integration._api.apply
-
-    def counting_apply(*args, **kwargs):
-        calls.append(kwargs)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(integration._api, "apply", counting_apply)
-    return calls
 
 
 def _inputs(dtype, seed=0):

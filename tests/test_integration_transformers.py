@@ -26,6 +26,8 @@ from rope_ops.integrations import transformers as integration
 from rope_ops.integrations.transformers import (APPLY, APPLY_MROPE, ExactRotaryEmbedding, classify,
                                                 is_patched, patch, patch_model_class)
 
+from _hf_support import rope_ops_calls  # noqa: F401  (fixture)
+
 transformers = pytest.importorskip("transformers")
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -107,20 +109,6 @@ def forward_backward(model, inputs):
 
 def modeling_module(name: str):
     return sys.modules[getattr(transformers, MODEL_CLASSES[name]).__module__]
-
-
-@pytest.fixture
-def rope_ops_calls(monkeypatch):
-    """Counts the calls the integration makes into rope_ops (proof that the patch is used)."""
-    calls = []
-    original = integration._api.apply
-
-    def counting_apply(*args, **kwargs):
-        calls.append(kwargs)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(integration._api, "apply", counting_apply)
-    return calls
 
 
 @pytest.fixture(params=["torch", "cpu"])
