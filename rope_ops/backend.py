@@ -38,6 +38,8 @@ LAYOUT_DIMS: dict[str, tuple[int | None, int, int, int]] = {
 LAYOUTS = tuple(LAYOUT_DIMS)
 STYLES = ("neox", "gptj")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# float8 e4m3 (the KV cache): its largest finite value; caches saturate there (SPEC 9.4)
+_FLOAT8_MAX = 448.0
 
 
 class RopeCall(NamedTuple):
@@ -446,11 +448,13 @@ def prologue_forward_torch(args: PrologueArgs) -> None:
         for cache, values, scale in ((args.k_cache, done[1], args.k_scale),
                                      (args.v_cache, v.to(compute), args.v_scale)):
             flat = values.reshape(-1, *values.shape[-2:])[keep]
-            stored = (flat / scale if scale != 1.0 else flat).to(cache.dtype)
+            stored = flat / scale if scale != 1.0 else flat
             if cache.element_size() == 1:  # float8: index_copy_ has no float8 kernel; move bytes
+                # saturate (SPEC): torch before 2.13 converts values past 448 to NaN
+                stored = stored.clamp(-_FLOAT8_MAX, _FLOAT8_MAX).to(cache.dtype)
                 cache.view(torch.uint8).index_copy_(0, index, stored.view(torch.uint8))
             else:
-                cache.index_copy_(0, index, stored)
+                cache.index_copy_(0, index, stored.to(cache.dtype))
 
 
 def prologue_backward_torch(args: PrologueArgs, grad_q, grad_k, grad_v):
