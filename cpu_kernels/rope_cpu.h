@@ -116,17 +116,50 @@ struct RopeCpuPrologueGrads {
 // the weights' gradient terms into the float32 rows weight_grad[0] (q) and weight_grad[1] (k) of
 // D floats (null where that weight is null). `work`: the calling thread's scratch of
 // ROPE_CPU_PROLOGUE_WORK_ROWS rows of D floats rounded up to 16, 64-byte aligned.
-#define ROPE_CPU_DECLARE_KERNELS(isa)                                                              \
-  void rope_cpu_tokens_##isa(const RopeCpuParams& p, int64_t begin, int64_t end);                \
-  void rope_cpu_prologue_##isa(const RopeCpuPrologueParams& p, int64_t begin, int64_t end,       \
-                               float* work);                                                     \
-  void rope_cpu_prologue_backward_##isa(const RopeCpuPrologueParams& p,                          \
-                                        const RopeCpuPrologueGrads& g, int64_t begin,             \
-                                        int64_t end, float* work, float* const weight_grad[2]);
+#define ROPE_CPU_TOKENS_FN(isa) \
+  void rope_cpu_tokens_##isa(const RopeCpuParams& p, int64_t begin, int64_t end)
+#define ROPE_CPU_PROLOGUE_FN(isa)                                                            \
+  void rope_cpu_prologue_##isa(const RopeCpuPrologueParams& p, int64_t begin, int64_t end, \
+                               float* work)
+#define ROPE_CPU_PROLOGUE_BACKWARD_FN(isa)                                              \
+  void rope_cpu_prologue_backward_##isa(const RopeCpuPrologueParams& p,                 \
+                                        const RopeCpuPrologueGrads& g, int64_t begin,    \
+                                        int64_t end, float* work, float* const weight_grad[2])
+#define ROPE_CPU_DECLARE_KERNELS(isa) \
+  ROPE_CPU_TOKENS_FN(isa);            \
+  ROPE_CPU_PROLOGUE_FN(isa);          \
+  ROPE_CPU_PROLOGUE_BACKWARD_FN(isa);
+
+// Defines the entry points of `isa` in its translation unit, after rope_cpu_kernel.h and
+// rope_cpu_prologue.h: the kernels of namespace ROPE_CPU_ISA_NS with its traits class V.
+#define ROPE_CPU_DEFINE_KERNELS(isa, V)                                                       \
+  ROPE_CPU_TOKENS_FN(isa) { ROPE_CPU_ISA_NS::run_tokens<ROPE_CPU_ISA_NS::V>(p, begin, end); } \
+  ROPE_CPU_PROLOGUE_FN(isa) {                                                                 \
+    ROPE_CPU_ISA_NS::run_prologue<ROPE_CPU_ISA_NS::V>(p, begin, end, work);                   \
+  }                                                                                           \
+  ROPE_CPU_PROLOGUE_BACKWARD_FN(isa) {                                                        \
+    ROPE_CPU_ISA_NS::run_prologue_backward<ROPE_CPU_ISA_NS::V>(p, g, begin, end, work,        \
+                                                               weight_grad);                  \
+  }
+
 ROPE_CPU_DECLARE_KERNELS(generic)
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define ROPE_CPU_X86 1
 ROPE_CPU_DECLARE_KERNELS(avx2)
 ROPE_CPU_DECLARE_KERNELS(avx512)
 ROPE_CPU_DECLARE_KERNELS(avx512bf16)
+
+// Every function between ROPE_CPU_TARGET_BEGIN("avx2,fma,...") and ROPE_CPU_TARGET_END,
+// templates instantiated there included, is compiled for those extensions; the rest of the
+// extension for the baseline.
+#define ROPE_CPU_PRAGMA(x) _Pragma(#x)
+#if defined(__clang__)
+#define ROPE_CPU_TARGET_BEGIN(features) \
+  ROPE_CPU_PRAGMA(clang attribute push(__attribute__((target(features))), apply_to = function))
+#define ROPE_CPU_TARGET_END ROPE_CPU_PRAGMA(clang attribute pop)
+#else
+#define ROPE_CPU_TARGET_BEGIN(features) \
+  ROPE_CPU_PRAGMA(GCC push_options) ROPE_CPU_PRAGMA(GCC target(features))
+#define ROPE_CPU_TARGET_END ROPE_CPU_PRAGMA(GCC pop_options)
+#endif
 #endif

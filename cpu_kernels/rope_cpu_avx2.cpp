@@ -9,12 +9,7 @@
 #include <immintrin.h>
 
 // Everything below, and nothing above (no header of shared inline code), is built for AVX2.
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#endif
+ROPE_CPU_TARGET_BEGIN("avx2,fma,f16c")
 
 #define ROPE_CPU_ISA_NS rope_cpu_avx2
 #include "rope_cpu_kernel.h"
@@ -23,7 +18,9 @@
 namespace rope_cpu_avx2 {
 namespace {
 
-struct Avx2Simd {
+#include "rope_cpu_x86_scalar.h"
+
+struct Avx2Simd : ScalarOps<X86Scalar> {
   static constexpr int W = 8;
   using F = __m256;
 
@@ -92,49 +89,12 @@ struct Avx2Simd {
     return dup_pairs(buf);
   }
   static F swap_pairs(F a) { return _mm256_permute_ps(a, 0xb1); }
-
-  static float to_float(float x) { return x; }
-  static float to_float(RopeBf16 x) { return bf16_to_float(x); }
-  static float to_float(RopeF16 x) { return _cvtsh_ss(x.bits); }
-  template <class T>
-  static T from_float(float x);
-  static float fmadd_s(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
-  static float fmsub_s(float a, float b, float c) { return __builtin_fmaf(a, b, -c); }
 };
-
-template <>
-float Avx2Simd::from_float<float>(float x) {
-  return x;
-}
-template <>
-RopeBf16 Avx2Simd::from_float<RopeBf16>(float x) {
-  return float_to_bf16(x);
-}
-template <>
-RopeF16 Avx2Simd::from_float<RopeF16>(float x) {
-  return RopeF16{static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT))};
-}
 
 }  // namespace
 }  // namespace rope_cpu_avx2
 
-void rope_cpu_tokens_avx2(const RopeCpuParams& p, int64_t begin, int64_t end) {
-  rope_cpu_avx2::run_tokens<rope_cpu_avx2::Avx2Simd>(p, begin, end);
-}
+ROPE_CPU_DEFINE_KERNELS(avx2, Avx2Simd)
 
-void rope_cpu_prologue_avx2(const RopeCpuPrologueParams& p, int64_t begin, int64_t end,
-    float* work) {
-  rope_cpu_avx2::run_prologue<rope_cpu_avx2::Avx2Simd>(p, begin, end, work);
-}
-
-void rope_cpu_prologue_backward_avx2(const RopeCpuPrologueParams& p,
-    const RopeCpuPrologueGrads& g, int64_t begin, int64_t end, float* work, float* const weight_grad[2]) {
-  rope_cpu_avx2::run_prologue_backward<rope_cpu_avx2::Avx2Simd>(p, g, begin, end, work, weight_grad);
-}
-
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+ROPE_CPU_TARGET_END
 #endif  // ROPE_CPU_X86

@@ -2,7 +2,9 @@
 // vectors) of rope_cpu_kernel.h, shared by rope_cpu_avx512.cpp and rope_cpu_avx512bf16.cpp.
 // Included inside each one's namespace, under its target pragma, after rope_cpu_kernel.h.
 
-struct Avx512Simd {
+#include "rope_cpu_x86_scalar.h"
+
+struct Avx512Simd : ScalarOps<X86Scalar> {
   static constexpr int W = 16;
   using F = __m512;
 
@@ -69,26 +71,4 @@ struct Avx512Simd {
     return dup_pairs_of(_mm256_maskz_loadu_ps(static_cast<__mmask8>((1u << m) - 1), c));
   }
   static F swap_pairs(F a) { return _mm512_permute_ps(a, 0xb1); }
-
-  static float to_float(float x) { return x; }
-  static float to_float(RopeBf16 x) { return bf16_to_float(x); }
-  static float to_float(RopeF16 x) { return _cvtsh_ss(x.bits); }
-  template <class T>
-  static T from_float(float x);
-  static float fmadd_s(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
-  static float fmsub_s(float a, float b, float c) { return __builtin_fmaf(a, b, -c); }
 };
-
-template <>
-float Avx512Simd::from_float<float>(float x) {
-  return x;
-}
-template <>
-RopeBf16 Avx512Simd::from_float<RopeBf16>(float x) {
-  return float_to_bf16(x);
-}
-template <>
-RopeF16 Avx512Simd::from_float<RopeF16>(float x) {
-  return RopeF16{static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT))};
-}
-

@@ -12,70 +12,67 @@
 namespace rope_cpu_generic {
 namespace {
 
+// The target's own one-element operations, for ScalarOps.
+struct GenericScalar {
 #if defined(__aarch64__)
-// The hardware conversions (exact, round to nearest even).
-inline float f16_to_float(RopeF16 h) {
-  __fp16 v;
-  __builtin_memcpy(&v, &h.bits, sizeof v);
-  return static_cast<float>(v);
-}
-inline RopeF16 float_to_f16(float f) {
-  const __fp16 v = static_cast<__fp16>(f);
-  RopeF16 h;
-  __builtin_memcpy(&h.bits, &v, sizeof v);
-  return h;
-}
+  // The hardware conversions (exact, round to nearest even).
+  static float f16_to_float(RopeF16 h) {
+    __fp16 v;
+    __builtin_memcpy(&v, &h.bits, sizeof v);
+    return static_cast<float>(v);
+  }
+  static RopeF16 float_to_f16(float f) {
+    const __fp16 v = static_cast<__fp16>(f);
+    RopeF16 h;
+    __builtin_memcpy(&h.bits, &v, sizeof v);
+    return h;
+  }
 #else
-inline float f16_to_float(RopeF16 h) {
-  const uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16;
-  const uint32_t exponent = (h.bits >> 10) & 0x1fu;
-  const uint32_t mantissa = h.bits & 0x3ffu;
-  if (exponent == 0x1f) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));  // inf, NaN
-  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float
-    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
-    return bits_to_float(sign | float_to_bits(magnitude));
+  static float f16_to_float(RopeF16 h) {
+    const uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16;
+    const uint32_t exponent = (h.bits >> 10) & 0x1fu;
+    const uint32_t mantissa = h.bits & 0x3ffu;
+    if (exponent == 0x1f) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));  // inf, NaN
+    if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float
+      const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+      return bits_to_float(sign | float_to_bits(magnitude));
+    }
+    return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
   }
-  return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
-}
 
-// Round to nearest even, subnormals and overflow to infinity included; NaN stays NaN (quiet).
-inline RopeF16 float_to_f16(float f) {
-  const uint32_t bits = float_to_bits(f);
-  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
-  const uint32_t magnitude = bits & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return RopeF16{static_cast<uint16_t>(sign | 0x7e00u | ((magnitude >> 13) & 0x3ffu))};
-  if (magnitude >= 0x477ff000u) return RopeF16{static_cast<uint16_t>(sign | 0x7c00u)};  // >= 65520
-  if (magnitude < 0x38800000u) {  // below 2^-14: a multiple of 2^-24, rounded by the FPU
-    const float units = bits_to_float(magnitude) * 16777216.0f;  // exact: < 2^10
-    const float rounded = (units + 8388608.0f) - 8388608.0f;     // to nearest even integer
-    return RopeF16{static_cast<uint16_t>(sign | static_cast<uint16_t>(rounded))};
+  // Round to nearest even, subnormals and overflow to infinity included; NaN stays NaN (quiet).
+  static RopeF16 float_to_f16(float f) {
+    const uint32_t bits = float_to_bits(f);
+    const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+    const uint32_t magnitude = bits & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return RopeF16{static_cast<uint16_t>(sign | 0x7e00u | ((magnitude >> 13) & 0x3ffu))};
+    if (magnitude >= 0x477ff000u) return RopeF16{static_cast<uint16_t>(sign | 0x7c00u)};  // >= 65520
+    if (magnitude < 0x38800000u) {  // below 2^-14: a multiple of 2^-24, rounded by the FPU
+      const float units = bits_to_float(magnitude) * 16777216.0f;  // exact: < 2^10
+      const float rounded = (units + 8388608.0f) - 8388608.0f;     // to nearest even integer
+      return RopeF16{static_cast<uint16_t>(sign | static_cast<uint16_t>(rounded))};
+    }
+    const uint32_t rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u);
+    return RopeF16{static_cast<uint16_t>(sign | ((rounded - (112u << 23)) >> 13))};
   }
-  const uint32_t rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u);
-  return RopeF16{static_cast<uint16_t>(sign | ((rounded - (112u << 23)) >> 13))};
-}
 #endif
 
-// x*y + z with one rounding where the target has a fused multiply-add, two otherwise (the
-// build turns implicit contraction off, so which one is explicit here).
-inline float fused_or_plain(float x, float y, float z) {
+  // x*y + z with one rounding where the target has a fused multiply-add, two otherwise (the
+  // build turns implicit contraction off, so which one is explicit here).
+  static float fma(float x, float y, float z) {
 #if defined(__FP_FAST_FMAF)
-  return __builtin_fmaf(x, y, z);
+    return __builtin_fmaf(x, y, z);
 #else
-  return x * y + z;
+    return x * y + z;
 #endif
-}
+  }
+};
 
-struct GenericSimd {
+struct GenericSimd : ScalarOps<GenericScalar> {
   static constexpr int W = 8;
   struct F {
     float v[W];
   };
-
-  static float to_float(float x) { return x; }
-  static float to_float(RopeBf16 x) { return bf16_to_float(x); }
-  static float to_float(RopeF16 x) { return f16_to_float(x); }
-  template <class T>
-  static T from_float(float x);
 
   template <class T>
   static F load(const T* p) {
@@ -118,11 +115,11 @@ struct GenericSimd {
     return a.v[0];
   }
   static F fmadd(F a, F b, F c) {
-    for (int l = 0; l < W; ++l) a.v[l] = fused_or_plain(a.v[l], b.v[l], c.v[l]);
+    for (int l = 0; l < W; ++l) a.v[l] = fmadd_s(a.v[l], b.v[l], c.v[l]);
     return a;
   }
   static F fmsub(F a, F b, F c) {
-    for (int l = 0; l < W; ++l) a.v[l] = fused_or_plain(a.v[l], b.v[l], -c.v[l]);
+    for (int l = 0; l < W; ++l) a.v[l] = fmsub_s(a.v[l], b.v[l], c.v[l]);
     return a;
   }
   static F dup_pairs(const float* c) {
@@ -140,36 +137,9 @@ struct GenericSimd {
     for (int l = 0; l < W; ++l) r.v[l] = a.v[l ^ 1];
     return r;
   }
-  static float fmadd_s(float a, float b, float c) { return fused_or_plain(a, b, c); }
-  static float fmsub_s(float a, float b, float c) { return fused_or_plain(a, b, -c); }
 };
-
-template <>
-float GenericSimd::from_float<float>(float x) {
-  return x;
-}
-template <>
-RopeBf16 GenericSimd::from_float<RopeBf16>(float x) {
-  return float_to_bf16(x);
-}
-template <>
-RopeF16 GenericSimd::from_float<RopeF16>(float x) {
-  return float_to_f16(x);
-}
 
 }  // namespace
 }  // namespace rope_cpu_generic
 
-void rope_cpu_tokens_generic(const RopeCpuParams& p, int64_t begin, int64_t end) {
-  rope_cpu_generic::run_tokens<rope_cpu_generic::GenericSimd>(p, begin, end);
-}
-
-void rope_cpu_prologue_generic(const RopeCpuPrologueParams& p, int64_t begin, int64_t end,
-    float* work) {
-  rope_cpu_generic::run_prologue<rope_cpu_generic::GenericSimd>(p, begin, end, work);
-}
-
-void rope_cpu_prologue_backward_generic(const RopeCpuPrologueParams& p,
-    const RopeCpuPrologueGrads& g, int64_t begin, int64_t end, float* work, float* const weight_grad[2]) {
-  rope_cpu_generic::run_prologue_backward<rope_cpu_generic::GenericSimd>(p, g, begin, end, work, weight_grad);
-}
+ROPE_CPU_DEFINE_KERNELS(generic, GenericSimd)

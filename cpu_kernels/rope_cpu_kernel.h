@@ -14,7 +14,8 @@
 //     (l, l + 4), (l, l + 2), (l, l + 1): one order for every W
 //   dup_pairs(const float* c) = {c0, c0, c1, c1, ...} from W/2 floats; dup_pairs_n(c, m): m < W/2
 //   swap_pairs(v) = {v1, v0, v3, v2, ...}
-//   to_float(T), from_float<T>(float), fmadd_s, fmsub_s: the same operations on one element.
+//   to_float(T), from_float<T>(float), fmadd_s, fmsub_s: the same operations on one element,
+//     from ScalarOps below.
 //
 // The two stages of a block of tokens:
 //   angle source: each token -> pointers to its cos/sin row: its position's table row, a row
@@ -61,6 +62,27 @@ inline RopeBf16 float_to_bf16(float f) {
   if (f != f) return RopeBf16{static_cast<uint16_t>((bits >> 16) | 0x40u)};
   return RopeBf16{static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16)};
 }
+
+// The one-element operations of a traits class (V derives from ScalarOps<H>), given the
+// target's own: H::f16_to_float(RopeF16), H::float_to_f16(float) and H::fma(x, y, z).
+template <class H>
+struct ScalarOps {
+  static float to_float(float x) { return x; }
+  static float to_float(RopeBf16 x) { return bf16_to_float(x); }
+  static float to_float(RopeF16 x) { return H::f16_to_float(x); }
+  template <class T>
+  static T from_float(float x) {
+    return narrow(x, static_cast<T*>(nullptr));
+  }
+  static float fmadd_s(float a, float b, float c) { return H::fma(a, b, c); }
+  static float fmsub_s(float a, float b, float c) { return H::fma(a, b, -c); }
+
+ private:
+  // from_float<T>, chosen by overloading on T*
+  static float narrow(float x, float*) { return x; }
+  static RopeBf16 narrow(float x, RopeBf16*) { return float_to_bf16(x); }
+  static RopeF16 narrow(float x, RopeF16*) { return H::float_to_f16(x); }
+};
 
 // ---------------------------------------------------------------------------------------------
 // Angle source: each token of a block gets pointers to its rows of half cos and half sin values
@@ -162,67 +184,68 @@ inline void take_row(const Tab* cos_row, const Tab* sin_row, int64_t half, float
   }
 }
 
-// Table rows by position; never reads outside the table.
-template <class V, class Tab>
-void table_angles(const RopeCpuParams& p, Block& blk, float* scratch) {
+// An angle source's row of token j of blk, from the tables cos and sin: points blk.cos[j] and
+// blk.sin[j] at it, made in the token's scratch rows c and s (half floats each) where needed.
+template <class Tab>
+using RowFn = void (*)(const RopeCpuParams& p, const Tab* cos, const Tab* sin, Block& blk,
+                       int64_t j, float* c, float* s);
+
+template <class Tab, RowFn<Tab> row>
+void block_angles(const RopeCpuParams& p, Block& blk, float* scratch) {
   const Tab* cos = static_cast<const Tab*>(p.cos);
   const Tab* sin = static_cast<const Tab*>(p.sin);
   for (int64_t j = 0; j < blk.count; ++j) {
     float* c = scratch + 2 * j * p.half;
-    float* s = c + p.half;
-    const int64_t pos = position_at(p, 0, blk.b[j], blk.s[j]);
-    if (in_table(p, pos)) {
-      take_row<V>(cos + pos * p.cos_stride[0], sin + pos * p.sin_stride[0], p.half, c, s,
-                  &blk.cos[j], &blk.sin[j]);
-    } else {
-      row_outside_table(p, pos, c, s);
-      blk.cos[j] = c;
-      blk.sin[j] = s;
-    }
+    row(p, cos, sin, blk, j, c, c + p.half);
+  }
+}
+
+// Table rows by position; never reads outside the table.
+template <class V, class Tab>
+void table_row(const RopeCpuParams& p, const Tab* cos, const Tab* sin, Block& blk, int64_t j,
+               float* c, float* s) {
+  const int64_t pos = position_at(p, 0, blk.b[j], blk.s[j]);
+  if (in_table(p, pos)) {
+    take_row<V>(cos + pos * p.cos_stride[0], sin + pos * p.sin_stride[0], p.half, c, s,
+                &blk.cos[j], &blk.sin[j]);
+  } else {
+    row_outside_table(p, pos, c, s);
+    blk.cos[j] = c;
+    blk.sin[j] = s;
   }
 }
 
 // Per-token rows: token (b, s)'s own row, no positions.
 template <class V, class Tab>
-void token_angles(const RopeCpuParams& p, Block& blk, float* scratch) {
-  const Tab* cos = static_cast<const Tab*>(p.cos);
-  const Tab* sin = static_cast<const Tab*>(p.sin);
-  for (int64_t j = 0; j < blk.count; ++j) {
-    float* c = scratch + 2 * j * p.half;
-    const int64_t b = blk.b[j], s = blk.s[j];
-    take_row<V>(cos + b * p.cos_stride[0] + s * p.cos_stride[1],
-                sin + b * p.sin_stride[0] + s * p.sin_stride[1], p.half, c, c + p.half,
-                &blk.cos[j], &blk.sin[j]);
-  }
+void token_row(const RopeCpuParams& p, const Tab* cos, const Tab* sin, Block& blk, int64_t j,
+               float* c, float* s) {
+  const int64_t* cs = p.cos_stride;
+  const int64_t* ss = p.sin_stride;
+  take_row<V>(cos + blk.b[j] * cs[0] + blk.s[j] * cs[1], sin + blk.b[j] * ss[0] + blk.s[j] * ss[1],
+              p.half, c, s, &blk.cos[j], &blk.sin[j]);
 }
 
 // mRoPE: frequency i of a token takes the row of its position on axis mrope_axis[i], one value
 // at a time (rows outside the table on the fly, or NaN).
 template <class V, class Tab>
-void mrope_angles(const RopeCpuParams& p, Block& blk, float* scratch) {
-  const Tab* cos = static_cast<const Tab*>(p.cos);
-  const Tab* sin = static_cast<const Tab*>(p.sin);
-  const float nan = __builtin_nanf("");
-  for (int64_t j = 0; j < blk.count; ++j) {
-    float* c = scratch + 2 * j * p.half;
-    float* s = c + p.half;
-    int64_t pos[3];
-    for (int64_t axis = 0; axis < 3; ++axis) pos[axis] = position_at(p, axis, blk.b[j], blk.s[j]);
-    for (int64_t i = 0; i < p.half; ++i) {
-      const int64_t at = pos[p.mrope_axis[i]];
-      if (in_table(p, at)) {
-        c[i] = V::to_float(cos[at * p.cos_stride[0] + i]);
-        s[i] = V::to_float(sin[at * p.sin_stride[0] + i]);
-      } else if (p.freq_turns != nullptr) {
-        cos_sin_of_turns(static_cast<uint64_t>(at) * static_cast<uint64_t>(p.freq_turns[i]),
-                         p.attention_factor, c + i, s + i);
-      } else {
-        c[i] = s[i] = nan;
-      }
+void mrope_row(const RopeCpuParams& p, const Tab* cos, const Tab* sin, Block& blk, int64_t j,
+               float* c, float* s) {
+  int64_t pos[3];
+  for (int64_t axis = 0; axis < 3; ++axis) pos[axis] = position_at(p, axis, blk.b[j], blk.s[j]);
+  for (int64_t i = 0; i < p.half; ++i) {
+    const int64_t at = pos[p.mrope_axis[i]];
+    if (in_table(p, at)) {
+      c[i] = V::to_float(cos[at * p.cos_stride[0] + i]);
+      s[i] = V::to_float(sin[at * p.sin_stride[0] + i]);
+    } else if (p.freq_turns != nullptr) {
+      cos_sin_of_turns(static_cast<uint64_t>(at) * static_cast<uint64_t>(p.freq_turns[i]),
+                       p.attention_factor, c + i, s + i);
+    } else {
+      c[i] = s[i] = __builtin_nanf("");
     }
-    blk.cos[j] = c;
-    blk.sin[j] = s;
   }
+  blk.cos[j] = c;
+  blk.sin[j] = s;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -404,11 +427,11 @@ template <class V, class Tab>
 AngleFn pick_angles_for_table(int angles) {
   switch (angles) {
     case ROPE_CPU_ANGLES_TOKEN:
-      return token_angles<V, Tab>;
+      return block_angles<Tab, token_row<V, Tab>>;
     case ROPE_CPU_ANGLES_MROPE:
-      return mrope_angles<V, Tab>;
+      return block_angles<Tab, mrope_row<V, Tab>>;
     default:
-      return table_angles<V, Tab>;
+      return block_angles<Tab, table_row<V, Tab>>;
   }
 }
 

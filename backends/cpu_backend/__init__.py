@@ -39,7 +39,8 @@ from rope_ops.backend import Backend, KernelArgs, PrologueArgs, RopeCall, prolog
 EXT_NAME = "rope_ops_cpu_ext"
 SOURCES = ("rope_cpu_binding.cpp", "rope_cpu_generic.cpp", "rope_cpu_avx2.cpp",
            "rope_cpu_avx512.cpp", "rope_cpu_avx512bf16.cpp")
-HEADERS = ("rope_cpu.h", "rope_cpu_kernel.h", "rope_cpu_prologue.h", "rope_cpu_avx512_simd.h")
+HEADERS = ("rope_cpu.h", "rope_cpu_kernel.h", "rope_cpu_prologue.h", "rope_cpu_avx512_simd.h",
+           "rope_cpu_x86_scalar.h")
 ISA_ENV = "ROPE_OPS_CPU_ISA"
 PREBUILD_COMMAND = "python -m rope_ops_backends.cpu_backend build"
 # The kernels keep rows computed on the fly on the stack: rotary_dim up to this (kMaxHalf in
