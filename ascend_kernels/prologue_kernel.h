@@ -33,10 +33,7 @@ struct PrologueGm {
     GM_ADDR qOut;
     GM_ADDR kOut;
     GM_ADDR vOut;
-    GM_ADDR pos;
-    GM_ADDR cos;
-    GM_ADDR sin;
-    GM_ADDR freq;
+    AngleGm angles;
     GM_ADDR qWeight;
     GM_ADDR kWeight;
     GM_ADDR kCache;
@@ -54,37 +51,13 @@ struct PrologueGradGm {
     GM_ADDR dq;  // q, k and v heads of grad_qkv
     GM_ADDR dk;
     GM_ADDR dv;
-    GM_ADDR pos;
-    GM_ADDR cos;
-    GM_ADDR sin;
-    GM_ADDR freq;
+    AngleGm angles;
     GM_ADDR qWeight;
     GM_ADDR kWeight;
     GM_ADDR dqWeight;  // float32 [cores, D]: each core's weight-gradient sums
     GM_ADDR dkWeight;
     GM_ADDR tiling;
 };
-
-__aicore__ inline void LoadTilingFrom(GM_ADDR tiling, RopeTiling& tl)
-{
-    GlobalTensor<int64_t> tg;
-    tg.SetGlobalBuffer((__gm__ int64_t*)tiling);
-    int64_t* dst = reinterpret_cast<int64_t*>(&tl);
-    for (int32_t i = 0; i < ROPE_TILING_FIELDS; ++i) dst[i] = tg.GetValue(i);
-}
-
-// (first row, row count) of this core.
-__aicore__ inline void CoreRows(const RopeTiling& tl, int64_t& start, int64_t& count)
-{
-    int64_t idx = GetBlockIdx();
-    if (idx < tl.formerNum) {
-        start = idx * tl.formerRows;
-        count = tl.formerRows;
-    } else {
-        start = tl.formerNum * tl.formerRows + (idx - tl.formerNum) * tl.tailRows;
-        count = tl.tailRows;
-    }
-}
 
 __aicore__ inline void LoadDoneBeforeVector()
 {
@@ -200,31 +173,24 @@ protected:
 
     // n rows of head h (D elements each, rows of rowPad) from GM into a queue tensor, enqueued.
     template <typename Q>
-    __aicore__ inline void LoadRows(Q& queue, const GlobalTensor<T>& gm, int64_t sb, int64_t ss, int64_t sh,
-                                    int64_t h, int64_t row0, int64_t n)
+    __aicore__ inline void LoadRows(Q& queue, const HeadsGm<T>& gm, int64_t h, int64_t row0, int64_t n)
     {
         LocalTensor<T> x = queue.template AllocTensor<T>();
-        for (int64_t row = row0, b, s, len; row < row0 + n; row += len) {
-            len = Segment(tl_, row, row0 + n, b, s);
-            CopyRowsIn(x[(row - row0) * tl_.rowPad], gm[b * sb + s * ss + h * sh], len, tl_.headDim, ss, tl_.rowPad);
-        }
+        LoadHeadRows(x, gm, tl_, h, 0, tl_.headDim, tl_.rowPad, row0, n);
         queue.EnQue(x);
     }
 
-    __aicore__ inline void StoreRows(const GlobalTensor<T>& gm, const LocalTensor<T>& y, int64_t sb, int64_t ss,
-                                     int64_t sh, int64_t h, int64_t row0, int64_t n)
+    __aicore__ inline void StoreRows(const HeadsGm<T>& gm, const LocalTensor<T>& y, int64_t h, int64_t row0,
+                                     int64_t n)
     {
-        for (int64_t row = row0, b, s, len; row < row0 + n; row += len) {
-            len = Segment(tl_, row, row0 + n, b, s);
-            CopyRowsOut(gm[b * sb + s * ss + h * sh], y[(row - row0) * tl_.rowPad], len, tl_.headDim, ss, tl_.rowPad);
-        }
+        StoreHeadRows(gm, y, tl_, h, 0, tl_.headDim, tl_.rowPad, row0, n);
     }
 
     // The loaded rows of head h as float32 (exactly: a widening cast, or a multiplication by 1).
-    __aicore__ inline void LoadFloatRows(const LocalTensor<float>& dst, const GlobalTensor<T>& gm, int64_t sb,
-                                         int64_t ss, int64_t sh, int64_t h, int64_t row0, int64_t n)
+    __aicore__ inline void LoadFloatRows(const LocalTensor<float>& dst, const HeadsGm<T>& gm, int64_t h, int64_t row0,
+                                         int64_t n)
     {
-        LoadRows(inQueue_, gm, sb, ss, sh, h, row0, n);
+        LoadRows(inQueue_, gm, h, row0, n);
         LocalTensor<T> x = inQueue_.template DeQue<T>();
         int32_t count = (int32_t)(n * tl_.rowPad);
         if constexpr (sizeof(T) == sizeof(float)) {
@@ -273,12 +239,12 @@ public:
     {
         LoadTilingFrom(gm.tiling, tl_);
         CoreRows(tl_, this->rowStart_, this->rowCount_);
-        qGm_.SetGlobalBuffer((__gm__ T*)gm.q);
-        kGm_.SetGlobalBuffer((__gm__ T*)gm.k);
-        vGm_.SetGlobalBuffer((__gm__ T*)gm.v);
-        qOutGm_.SetGlobalBuffer((__gm__ T*)gm.qOut);
-        kOutGm_.SetGlobalBuffer((__gm__ T*)gm.kOut);
-        if (!tl_.inplace) vOutGm_.SetGlobalBuffer((__gm__ T*)gm.vOut);
+        q_.Init(gm.q, tl_.qStrideB, tl_.qStrideS, tl_.qStrideH);
+        k_.Init(gm.k, tl_.kStrideB, tl_.kStrideS, tl_.kStrideH);
+        v_.Init(gm.v, tl_.vStrideB, tl_.vStrideS, tl_.vStrideH);
+        qOut_.Init(gm.qOut, tl_.qoStrideB, tl_.qoStrideS, tl_.qoStrideH);
+        kOut_.Init(gm.kOut, tl_.koStrideB, tl_.koStrideS, tl_.koStrideH);
+        if (!tl_.inplace) vOut_.Init(gm.vOut, tl_.voStrideB, tl_.voStrideS, tl_.voStrideH);
         if (tl_.hasCache) {
             kCacheGm_.SetGlobalBuffer((__gm__ T*)gm.kCache);
             vCacheGm_.SetGlobalBuffer((__gm__ T*)gm.vCache);
@@ -290,7 +256,7 @@ public:
         // UB: exactly tileRows * rope_row_bytes() + rope_fixed_bytes(), see rope_tiling.h.
         int64_t full = tl_.tileRows * tl_.rowPad;
         if (tl_.rotate)
-            stage_.Init(&pipe_, &tl_, gm.pos, gm.cos, gm.sin, gm.freq, full * (int64_t)sizeof(float));
+            stage_.Init(&pipe_, &tl_, gm.angles, full * (int64_t)sizeof(float));
         this->InitRows(pipe_, true);
         if (sizeof(T) != sizeof(float) && tl_.rotate) pipe_.InitBuffer(rotatedBuf_, full * sizeof(float));
         if (tl_.hasQWeight) this->InitWeight(pipe_, qWeightBuf_, gm.qWeight);
@@ -301,48 +267,39 @@ public:
     __aicore__ inline void Process()
     {
         if (this->rowCount_ <= 0 || tl_.tileRows <= 0) return;
+        const int kCache = tl_.hasCache ? K_CACHE : NO_CACHE;
         for (int64_t done = 0; done < this->rowCount_; done += tl_.tileRows) {
             int64_t n = this->rowCount_ - done < tl_.tileRows ? this->rowCount_ - done : tl_.tileRows;
             int64_t row0 = this->rowStart_ + done;
             if (tl_.rotate) stage_.Fill(row0, n);
             for (int64_t h = 0; h < tl_.qHeads; ++h) {
                 if (tl_.hasQWeight || tl_.rotate) {
-                    NormRotateHead(qGm_, qOutGm_, tl_.qStrideB, tl_.qStrideS, tl_.qStrideH, tl_.qoStrideB,
-                                   tl_.qoStrideS, tl_.qoStrideH, tl_.hasQWeight ? &qWeightBuf_ : nullptr,
-                                   NO_CACHE, h, row0, n);
+                    NormRotateHead(q_, qOut_, tl_.hasQWeight ? &qWeightBuf_ : nullptr, NO_CACHE, h, row0, n);
                 } else if (!tl_.inplace) {
-                    CopyHead(qGm_, qOutGm_, tl_.qStrideB, tl_.qStrideS, tl_.qStrideH, tl_.qoStrideB,
-                             tl_.qoStrideS, tl_.qoStrideH, true, NO_CACHE, h, row0, n);
+                    CopyHead(q_, qOut_, true, NO_CACHE, h, row0, n);
                 }
             }
             for (int64_t h = 0; h < tl_.kHeads; ++h) {
                 if (tl_.hasKWeight || tl_.rotate) {
-                    NormRotateHead(kGm_, kOutGm_, tl_.kStrideB, tl_.kStrideS, tl_.kStrideH, tl_.koStrideB,
-                                   tl_.koStrideS, tl_.koStrideH, tl_.hasKWeight ? &kWeightBuf_ : nullptr,
-                                   tl_.hasCache ? K_CACHE : NO_CACHE, h, row0, n);
+                    NormRotateHead(k_, kOut_, tl_.hasKWeight ? &kWeightBuf_ : nullptr, kCache, h, row0, n);
                 } else if (!tl_.inplace || tl_.hasCache) {
-                    CopyHead(kGm_, kOutGm_, tl_.kStrideB, tl_.kStrideS, tl_.kStrideH, tl_.koStrideB,
-                             tl_.koStrideS, tl_.koStrideH, !tl_.inplace, tl_.hasCache ? K_CACHE : NO_CACHE, h,
-                             row0, n);
+                    CopyHead(k_, kOut_, !tl_.inplace, kCache, h, row0, n);
                 }
             }
-            for (int64_t h = 0; h < tl_.kHeads && (!tl_.inplace || tl_.hasCache); ++h) {
-                CopyHead(vGm_, vOutGm_, tl_.vStrideB, tl_.vStrideS, tl_.vStrideH, tl_.voStrideB, tl_.voStrideS,
-                         tl_.voStrideH, !tl_.inplace, tl_.hasCache ? V_CACHE : NO_CACHE, h, row0, n);
-            }
+            for (int64_t h = 0; h < tl_.kHeads && (!tl_.inplace || tl_.hasCache); ++h)
+                CopyHead(v_, vOut_, !tl_.inplace, tl_.hasCache ? V_CACHE : NO_CACHE, h, row0, n);
         }
     }
 
 private:
     // A q or k head: load, normalise (weight given), rotate (rotate), round, store (and cache k).
-    __aicore__ inline void NormRotateHead(const GlobalTensor<T>& in, const GlobalTensor<T>& out, int64_t sb,
-                                          int64_t ss, int64_t sh, int64_t osb, int64_t oss, int64_t osh,
+    __aicore__ inline void NormRotateHead(const HeadsGm<T>& in, const HeadsGm<T>& out,
                                           TBuf<TPosition::VECCALC>* weight, int cache, int64_t h, int64_t row0,
                                           int64_t n)
     {
         int32_t count = (int32_t)(n * tl_.rowPad);
         LocalTensor<float> x = this->rowsBuf_.template Get<float>();
-        this->LoadFloatRows(x, in, sb, ss, sh, h, row0, n);
+        this->LoadFloatRows(x, in, h, row0, n);
         if (weight != nullptr) {
             stats_.InvRms(x, n);
             Mul(x, x, stats_.InvRmsRows(), count);
@@ -361,19 +318,18 @@ private:
         }
         this->outQueue_.EnQue(y);
         y = this->outQueue_.template DeQue<T>();
-        this->StoreRows(out, y, osb, oss, osh, h, row0, n);
+        this->StoreRows(out, y, h, row0, n);
         if (cache != NO_CACHE) CacheRows(cache, y, h, row0, n);
         this->outQueue_.FreeTensor(y);
     }
 
     // A head moved unchanged: to its output (writeOut) and/or a cache.
-    __aicore__ inline void CopyHead(const GlobalTensor<T>& in, const GlobalTensor<T>& out, int64_t sb, int64_t ss,
-                                    int64_t sh, int64_t osb, int64_t oss, int64_t osh, bool writeOut, int cache,
-                                    int64_t h, int64_t row0, int64_t n)
+    __aicore__ inline void CopyHead(const HeadsGm<T>& in, const HeadsGm<T>& out, bool writeOut, int cache, int64_t h,
+                                    int64_t row0, int64_t n)
     {
-        this->LoadRows(this->copyQueue_, in, sb, ss, sh, h, row0, n);
+        this->LoadRows(this->copyQueue_, in, h, row0, n);
         LocalTensor<T> rows = this->copyQueue_.template DeQue<T>();
-        if (writeOut) this->StoreRows(out, rows, osb, oss, osh, h, row0, n);
+        if (writeOut) this->StoreRows(out, rows, h, row0, n);
         if (cache != NO_CACHE) CacheRows(cache, rows, h, row0, n);
         this->copyQueue_.FreeTensor(rows);
     }
@@ -398,7 +354,8 @@ private:
     RotationStage<false, Source> stage_;
     RowStats stats_;
     TBuf<TPosition::VECCALC> rotatedBuf_, qWeightBuf_, kWeightBuf_;
-    GlobalTensor<T> qGm_, kGm_, vGm_, qOutGm_, kOutGm_, vOutGm_, kCacheGm_, vCacheGm_;
+    HeadsGm<T> q_, k_, v_, qOut_, kOut_, vOut_;
+    GlobalTensor<T> kCacheGm_, vCacheGm_;
     GlobalTensor<int32_t> slot32Gm_;
     GlobalTensor<int64_t> slot64Gm_;
 };
@@ -418,14 +375,14 @@ public:
     {
         LoadTilingFrom(gm.tiling, tl_);
         CoreRows(tl_, this->rowStart_, this->rowCount_);
-        if (tl_.hasGradQ) gradQGm_.SetGlobalBuffer((__gm__ T*)gm.gradQ);
-        if (tl_.hasGradK) gradKGm_.SetGlobalBuffer((__gm__ T*)gm.gradK);
-        if (tl_.hasGradV) gradVGm_.SetGlobalBuffer((__gm__ T*)gm.gradV);
-        xqGm_.SetGlobalBuffer((__gm__ T*)gm.xq);
-        xkGm_.SetGlobalBuffer((__gm__ T*)gm.xk);
-        dqGm_.SetGlobalBuffer((__gm__ T*)gm.dq);
-        dkGm_.SetGlobalBuffer((__gm__ T*)gm.dk);
-        dvGm_.SetGlobalBuffer((__gm__ T*)gm.dv);
+        if (tl_.hasGradQ) gradQ_.Init(gm.gradQ, tl_.qStrideB, tl_.qStrideS, tl_.qStrideH);
+        if (tl_.hasGradK) gradK_.Init(gm.gradK, tl_.kStrideB, tl_.kStrideS, tl_.kStrideH);
+        if (tl_.hasGradV) gradV_.Init(gm.gradV, tl_.vStrideB, tl_.vStrideS, tl_.vStrideH);
+        xq_.Init(gm.xq, tl_.xqStrideB, tl_.xqStrideS, tl_.xqStrideH);
+        xk_.Init(gm.xk, tl_.xkStrideB, tl_.xkStrideS, tl_.xkStrideH);
+        dq_.Init(gm.dq, tl_.qoStrideB, tl_.qoStrideS, tl_.qoStrideH);
+        dk_.Init(gm.dk, tl_.koStrideB, tl_.koStrideS, tl_.koStrideH);
+        dv_.Init(gm.dv, tl_.voStrideB, tl_.voStrideS, tl_.voStrideH);
         dqWeightGm_.SetGlobalBuffer((__gm__ float*)gm.dqWeight);
         dkWeightGm_.SetGlobalBuffer((__gm__ float*)gm.dkWeight);
         if (tl_.tileRows <= 0) return;
@@ -433,7 +390,7 @@ public:
         // UB: exactly tileRows * rope_row_bytes() + rope_fixed_bytes(), see rope_tiling.h.
         int64_t full = tl_.tileRows * tl_.rowPad;
         if (tl_.rotate)
-            stage_.Init(&pipe_, &tl_, gm.pos, gm.cos, gm.sin, gm.freq, full * (int64_t)sizeof(float));
+            stage_.Init(&pipe_, &tl_, gm.angles, full * (int64_t)sizeof(float));
         this->InitRows(pipe_, true);
         if (tl_.rotate) pipe_.InitBuffer(rotatedBuf_, full * sizeof(float));
         if (tl_.hasQWeight || tl_.hasKWeight) {
@@ -451,24 +408,15 @@ public:
             int64_t n = this->rowCount_ - done < tl_.tileRows ? this->rowCount_ - done : tl_.tileRows;
             int64_t row0 = this->rowStart_ + done;
             if (tl_.rotate) stage_.Fill(row0, n);
-            for (int64_t h = 0; h < tl_.qHeads; ++h) {
-                GradHead(gradQGm_, tl_.hasGradQ != 0, tl_.qStrideB, tl_.qStrideS, tl_.qStrideH, xqGm_, tl_.xqStrideB,
-                         tl_.xqStrideS, tl_.xqStrideH, dqGm_, tl_.qoStrideB, tl_.qoStrideS, tl_.qoStrideH,
-                         tl_.hasQWeight != 0, qWeightBuf_, qSumBuf_, h, row0, n);
-            }
-            for (int64_t h = 0; h < tl_.kHeads; ++h) {
-                GradHead(gradKGm_, tl_.hasGradK != 0, tl_.kStrideB, tl_.kStrideS, tl_.kStrideH, xkGm_, tl_.xkStrideB,
-                         tl_.xkStrideS, tl_.xkStrideH, dkGm_, tl_.koStrideB, tl_.koStrideS, tl_.koStrideH,
-                         tl_.hasKWeight != 0, kWeightBuf_, kSumBuf_, h, row0, n);
-            }
+            for (int64_t h = 0; h < tl_.qHeads; ++h)
+                GradHead(gradQ_, tl_.hasGradQ != 0, xq_, dq_, tl_.hasQWeight != 0, qWeightBuf_, qSumBuf_, h, row0, n);
+            for (int64_t h = 0; h < tl_.kHeads; ++h)
+                GradHead(gradK_, tl_.hasGradK != 0, xk_, dk_, tl_.hasKWeight != 0, kWeightBuf_, kSumBuf_, h, row0, n);
             for (int64_t h = 0; h < tl_.kHeads; ++h) {
                 if (tl_.hasGradV) {
-                    this->LoadRows(this->copyQueue_, gradVGm_, tl_.vStrideB, tl_.vStrideS, tl_.vStrideH, h, row0, n);
-                    LocalTensor<T> rows = this->copyQueue_.template DeQue<T>();
-                    this->StoreRows(dvGm_, rows, tl_.voStrideB, tl_.voStrideS, tl_.voStrideH, h, row0, n);
-                    this->copyQueue_.FreeTensor(rows);
+                    CopyRows(gradV_, dv_, h, row0, n);
                 } else {
-                    ZeroHead(dvGm_, tl_.voStrideB, tl_.voStrideS, tl_.voStrideH, h, row0, n);
+                    ZeroHead(dv_, h, row0, n);
                 }
             }
         }
@@ -486,27 +434,22 @@ private:
     }
 
     // d qkv of one q or k head from its output gradient (zero when absent) and, with a weight,
-    // the forward's input head; the weight gradient's products are added to `sums`.
-    __aicore__ inline void GradHead(const GlobalTensor<T>& grad, bool hasGrad, int64_t gsb, int64_t gss, int64_t gsh,
-                                    const GlobalTensor<T>& x, int64_t xsb, int64_t xss, int64_t xsh,
-                                    const GlobalTensor<T>& out, int64_t osb, int64_t oss, int64_t osh, bool weighted,
-                                    TBuf<TPosition::VECCALC>& weight, TBuf<TPosition::VECCALC>& sums, int64_t h,
-                                    int64_t row0, int64_t n)
+    // the forward's input head x; the weight gradient's products are added to `sums`.
+    __aicore__ inline void GradHead(const HeadsGm<T>& grad, bool hasGrad, const HeadsGm<T>& x, const HeadsGm<T>& out,
+                                    bool weighted, TBuf<TPosition::VECCALC>& weight, TBuf<TPosition::VECCALC>& sums,
+                                    int64_t h, int64_t row0, int64_t n)
     {
         if (!hasGrad) {
-            ZeroHead(out, osb, oss, osh, h, row0, n);
+            ZeroHead(out, h, row0, n);
             return;
         }
         if (!weighted && !tl_.rotate) {
-            this->LoadRows(this->copyQueue_, grad, gsb, gss, gsh, h, row0, n);
-            LocalTensor<T> rows = this->copyQueue_.template DeQue<T>();
-            this->StoreRows(out, rows, osb, oss, osh, h, row0, n);
-            this->copyQueue_.FreeTensor(rows);
+            CopyRows(grad, out, h, row0, n);
             return;
         }
         int32_t count = (int32_t)(n * tl_.rowPad);
         LocalTensor<float> g = this->rowsBuf_.template Get<float>();
-        this->LoadFloatRows(g, grad, gsb, gss, gsh, h, row0, n);
+        this->LoadFloatRows(g, grad, h, row0, n);
         if (tl_.rotate) {
             LocalTensor<float> rotated = rotatedBuf_.Get<float>();
             stage_.Rotate(g, rotated, count);  // the rotation's transpose: by minus the angle
@@ -515,7 +458,7 @@ private:
         if (weighted) {
             LocalTensor<float> xf = xBuf_.Get<float>();
             LocalTensor<float> prod = stats_.Products();
-            this->LoadFloatRows(xf, x, xsb, xss, xsh, h, row0, n);
+            this->LoadFloatRows(xf, x, h, row0, n);
             stats_.InvRms(xf, n);
             LocalTensor<float> invRms = stats_.InvRmsRows();
             Mul(xf, xf, invRms, count);                    // n = x * rstd
@@ -531,18 +474,26 @@ private:
         LocalTensor<T> y = this->RoundRows(g, n);
         this->outQueue_.EnQue(y);
         y = this->outQueue_.template DeQue<T>();
-        this->StoreRows(out, y, osb, oss, osh, h, row0, n);
+        this->StoreRows(out, y, h, row0, n);
         this->outQueue_.FreeTensor(y);
     }
 
-    __aicore__ inline void ZeroHead(const GlobalTensor<T>& out, int64_t osb, int64_t oss, int64_t osh, int64_t h,
-                                    int64_t row0, int64_t n)
+    // Head h moved unchanged from `in` to `out` through the bound queue.
+    __aicore__ inline void CopyRows(const HeadsGm<T>& in, const HeadsGm<T>& out, int64_t h, int64_t row0, int64_t n)
+    {
+        this->LoadRows(this->copyQueue_, in, h, row0, n);
+        LocalTensor<T> rows = this->copyQueue_.template DeQue<T>();
+        this->StoreRows(out, rows, h, row0, n);
+        this->copyQueue_.FreeTensor(rows);
+    }
+
+    __aicore__ inline void ZeroHead(const HeadsGm<T>& out, int64_t h, int64_t row0, int64_t n)
     {
         LocalTensor<T> y = this->outQueue_.template AllocTensor<T>();
         Duplicate(y, static_cast<T>(0.0f), (int32_t)(n * tl_.rowPad));
         this->outQueue_.EnQue(y);
         y = this->outQueue_.template DeQue<T>();
-        this->StoreRows(out, y, osb, oss, osh, h, row0, n);
+        this->StoreRows(out, y, h, row0, n);
         this->outQueue_.FreeTensor(y);
     }
 
@@ -560,52 +511,22 @@ private:
     RotationStage<true, Source> stage_;
     RowStats stats_;
     TBuf<TPosition::VECCALC> rotatedBuf_, xBuf_, qWeightBuf_, kWeightBuf_, qSumBuf_, kSumBuf_;
-    GlobalTensor<T> gradQGm_, gradKGm_, gradVGm_, xqGm_, xkGm_, dqGm_, dkGm_, dvGm_;
+    HeadsGm<T> gradQ_, gradK_, gradV_, xq_, xk_, dq_, dk_, dv_;
     GlobalTensor<float> dqWeightGm_, dkWeightGm_;
 };
 
-template <typename T, typename Source>
-__aicore__ inline void RunPrologueWith(const PrologueGm& gm)
-{
-    PrologueKernel<T, Source> op;
-    op.Init(gm);
-    op.Process();
-}
-
-template <typename T, typename Source>
-__aicore__ inline void RunPrologueGradWith(const PrologueGradGm& gm)
-{
-    PrologueGradKernel<T, Source> op;
-    op.Init(gm);
-    op.Process();
-}
-
-// One launch of the prologue (forward) with the cos/sin source its tiling names.
+// The fused prologue's forward and backward for element type T (RunWithSource, rope_kernel.h).
 template <typename T>
-__aicore__ inline void RunPrologue(const PrologueGm& gm)
-{
-    int64_t kind = AngleKindOf(gm.tiling);
-    if (kind == ROPE_ANGLES_TOKEN) {
-        RunPrologueWith<T, TokenRowsSource>(gm);
-    } else if (kind == ROPE_ANGLES_MROPE) {
-        RunPrologueWith<T, MRopeSource>(gm);
-    } else {
-        RunPrologueWith<T, PositionTableSource>(gm);
-    }
-}
+struct PrologueKernels {
+    template <typename Source>
+    using With = PrologueKernel<T, Source>;
+};
 
 template <typename T>
-__aicore__ inline void RunPrologueGrad(const PrologueGradGm& gm)
-{
-    int64_t kind = AngleKindOf(gm.tiling);
-    if (kind == ROPE_ANGLES_TOKEN) {
-        RunPrologueGradWith<T, TokenRowsSource>(gm);
-    } else if (kind == ROPE_ANGLES_MROPE) {
-        RunPrologueGradWith<T, MRopeSource>(gm);
-    } else {
-        RunPrologueGradWith<T, PositionTableSource>(gm);
-    }
-}
+struct PrologueGradKernels {
+    template <typename Source>
+    using With = PrologueGradKernel<T, Source>;
+};
 
 }  // namespace rope_ops_ascend
 

@@ -1,7 +1,7 @@
 // rope_ops Ascend C kernels: the kernel entry macros. Each file in kernels/ instantiates one entry
 // (ascendc_library wants one kernel entry per source file). An entry reads the angle source from
-// its tiling (angleKind) and runs the kernel with that cos/sin source (rope_kernel.h), so a new
-// source is one more branch in RunRope/RunPrologue/RunPrologueGrad, not a new entry.
+// its tiling (angleKind) and runs the kernel with that cos/sin source (RunWithSource,
+// rope_kernel.h), so a new source is one more branch there, not a new entry.
 #ifndef ROPE_OPS_ASCEND_ROPE_ENTRY_H
 #define ROPE_OPS_ASCEND_ROPE_ENTRY_H
 
@@ -20,7 +20,8 @@
                                                GM_ADDR freq, GM_ADDR tiling)                       \
     {                                                                                              \
         ROPE_AIV_ONLY();                                                                           \
-        rope_ops_ascend::RunRope<T, INVERSE>(q, k, qOut, kOut, pos, cos, sin, freq, tiling);       \
+        rope_ops_ascend::RopeGm gm{q, k, qOut, kOut, {pos, cos, sin, freq}, tiling};               \
+        rope_ops_ascend::RunWithSource<rope_ops_ascend::RopeKernels<T, INVERSE>>(gm);              \
     }
 
 // The fused prologue's forward for element type T (prologue_kernel.h).
@@ -32,9 +33,9 @@
                                                GM_ADDR slots, GM_ADDR tiling)                      \
     {                                                                                              \
         ROPE_AIV_ONLY();                                                                           \
-        rope_ops_ascend::PrologueGm gm{q,   k,   v,       qOut,    kOut,   vOut,   pos,   cos,     \
-                                       sin, freq, qWeight, kWeight, kCache, vCache, slots, tiling}; \
-        rope_ops_ascend::RunPrologue<T>(gm);                                                       \
+        rope_ops_ascend::PrologueGm gm{q, k, v, qOut, kOut, vOut, {pos, cos, sin, freq},           \
+                                       qWeight, kWeight, kCache, vCache, slots, tiling};           \
+        rope_ops_ascend::RunWithSource<rope_ops_ascend::PrologueKernels<T>>(gm);                   \
     }
 
 // The fused prologue's backward for element type T.
@@ -46,10 +47,10 @@
                                                GM_ADDR dqWeight, GM_ADDR dkWeight, GM_ADDR tiling) \
     {                                                                                              \
         ROPE_AIV_ONLY();                                                                           \
-        rope_ops_ascend::PrologueGradGm gm{gradQ, gradK, gradV, xq,      xk,      dq,       dk,   \
-                                           dv,    pos,   cos,   sin,     freq,    qWeight,  kWeight, \
-                                           dqWeight, dkWeight, tiling};                             \
-        rope_ops_ascend::RunPrologueGrad<T>(gm);                                                   \
+        rope_ops_ascend::PrologueGradGm gm{gradQ, gradK, gradV, xq, xk, dq, dk, dv,                \
+                                           {pos, cos, sin, freq}, qWeight, kWeight, dqWeight,      \
+                                           dkWeight, tiling};                                      \
+        rope_ops_ascend::RunWithSource<rope_ops_ascend::PrologueGradKernels<T>>(gm);               \
     }
 
 #endif  // ROPE_OPS_ASCEND_ROPE_ENTRY_H

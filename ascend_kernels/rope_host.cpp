@@ -204,6 +204,27 @@ void fill_angle_inputs(RopeTiling& t, const OptTensor& pos, int64_t pos_offset, 
     }
 }
 
+// The fields every op fills: the op, the grid of q's [B, S, Hq, D] heads (q_like), k's head count
+// and the rotation, exactly as _kernel_call.py:_op_params.
+RopeTiling new_tiling(int64_t op, const at::Tensor& q_like, int64_t k_heads, int64_t rotary_dim, bool interleaved,
+                      bool inverse, bool inplace, bool rotate) {
+    RopeTiling t;
+    std::memset(&t, 0, sizeof(t));
+    t.op = op;
+    t.batch = q_like.size(0);
+    t.seq = q_like.size(1);
+    t.qHeads = q_like.size(2);
+    t.kHeads = k_heads;
+    t.headDim = q_like.size(3);
+    t.rotaryDim = rotary_dim;
+    t.elemSize = q_like.element_size();
+    t.interleaved = interleaved;
+    t.inverse = inverse;
+    t.inplace = inplace;
+    t.rotate = rotate;
+    return t;
+}
+
 // What the cos/sin stage reads, for tokens [B, S].
 void check_angles(int64_t batch, int64_t seq, const OptTensor& pos, const at::Tensor& cos, const at::Tensor& sin,
                   const OptTensor& freq, c10::string_view angles, at::IntArrayRef mrope_section,
@@ -252,22 +273,10 @@ RopeTiling fill_tiling_inputs(const at::Tensor& q, const OptTensor& k, const at:
                               const OptTensor& freq, double attention_factor, c10::string_view angles,
                               at::IntArrayRef mrope_section, bool mrope_interleaved, int64_t rotary_dim,
                               bool interleaved, bool inplace, bool inverse) {
-    RopeTiling t;
-    std::memset(&t, 0, sizeof(t));
-    t.op = ROPE_OP_ROTATE;
-    t.batch = q.size(0);
-    t.seq = q.size(1);
-    t.qHeads = q.size(2);
-    t.headDim = q.size(3);
-    t.rotaryDim = rotary_dim;
-    t.elemSize = q.element_size();
-    t.interleaved = interleaved;
-    t.inverse = inverse;
-    t.inplace = inplace;
-    t.rotate = 1;
+    RopeTiling t = new_tiling(ROPE_OP_ROTATE, q, given(k) ? k->size(2) : 0, rotary_dim, interleaved, inverse, inplace,
+                              true);
     strides3(q, t.qStrideB, t.qStrideS, t.qStrideH);
     strides3(q_out, t.qoStrideB, t.qoStrideS, t.qoStrideH);
-    t.kHeads = given(k) ? k->size(2) : 0;
     strides3(k, t.kStrideB, t.kStrideS, t.kStrideH);
     strides3(k_out, t.koStrideB, t.koStrideS, t.koStrideH);
     fill_angle_inputs(t, pos, pos_offset, cos, sin, freq, attention_factor, angles, mrope_section, mrope_interleaved);
@@ -368,20 +377,8 @@ RopeTiling fill_prologue_inputs(bool grad, const OptTensor& q, const OptTensor& 
                                 bool rotate, const OptTensor& q_weight, const OptTensor& k_weight, double eps,
                                 double weight_offset, bool inplace, const OptTensor& k_cache,
                                 const OptTensor& v_cache, const OptTensor& slots) {
-    RopeTiling t;
-    std::memset(&t, 0, sizeof(t));
-    t.op = grad ? ROPE_OP_PROLOGUE_GRAD : ROPE_OP_PROLOGUE;
-    t.batch = q_out.size(0);
-    t.seq = q_out.size(1);
-    t.qHeads = q_out.size(2);
-    t.kHeads = k_out.size(2);
-    t.headDim = q_out.size(3);
-    t.rotaryDim = rotary_dim;
-    t.elemSize = q_out.element_size();
-    t.interleaved = interleaved;
-    t.inverse = grad;
-    t.inplace = inplace;
-    t.rotate = rotate;
+    RopeTiling t = new_tiling(grad ? ROPE_OP_PROLOGUE_GRAD : ROPE_OP_PROLOGUE, q_out, k_out.size(2), rotary_dim,
+                              interleaved, grad, inplace, rotate);
     t.hasQWeight = given(q_weight);
     t.hasKWeight = given(k_weight);
     t.epsBits = float_bits(eps);

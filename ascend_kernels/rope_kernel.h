@@ -27,12 +27,13 @@
 //                             rows outside [0, P) computed on the fly or NaN;
 //        TokenRowsSource      caller cos/sin given per token [B, S, r/2] (any strides);
 //        MRopeSource          three positions per token, each frequency's row by its axis.
-//      The kernel entries (rope_entry.h) pick the source from the tiling's angleKind.
+//      The kernel entries (rope_entry.h) pick the source from the tiling's angleKind
+//      (RunWithSource).
 //   2. rotate stage (RotateHead), for every head of q and of k, reusing C and S': load the rotary
-//      dims of the tile's rows as float32 (LoadHead), rotate (RotationStage::Rotate), round and
-//      store (StoreHead); the pass-through dims [r, D) are copied apart (CopyTail), or left alone
-//      in place. The prologue (prologue_kernel.h) runs the same two stages on whole heads, with
-//      the RMSNorm as one step between load and rotate.
+//      dims of the tile's rows as float32 (LoadHeadRows), rotate (RotationStage::Rotate), round and
+//      store (StoreHeadRows); the pass-through dims [r, D) are copied apart (CopyTail), or left
+//      alone in place. The prologue (prologue_kernel.h) runs the same two stages on whole heads,
+//      with the RMSNorm as one step between load and rotate.
 #ifndef ROPE_OPS_ASCEND_ROPE_KERNEL_H
 #define ROPE_OPS_ASCEND_ROPE_KERNEL_H
 
@@ -73,47 +74,57 @@ __aicore__ inline void ScalarDoneBeforeVector()
 // ---------------------------------------------------------------------------------------------
 // Row copies between GM and UB.
 
-// `len` rows of `elems` elements, `stride` elements apart in GM, into consecutive UB rows of
-// `padElems` (32-byte multiple). Whole 32-byte blocks everywhere: DataCopy with block strides;
-// otherwise DataCopyPad (each row lands 32-byte padded, then skips to the next UB row).
+// How `len` rows of `elems` elements, `stride` elements apart in GM, travel to or from
+// consecutive UB rows of `padElems` (32-byte multiple). Whole 32-byte blocks everywhere (GM address
+// included): DataCopy with block strides; otherwise DataCopyPad (each row lands 32-byte padded,
+// then skips ubSkipBlocks to the next UB row).
+struct RowsCopy {
+    int64_t rowBytes, gapBytes, ubSkipBlocks;
+    bool wholeBlocks;
+};
+
+template <typename T>
+__aicore__ inline RowsCopy PlanRowsCopy(uint64_t gmAddr, int64_t len, int64_t elems, int64_t stride, int64_t padElems)
+{
+    RowsCopy c;
+    c.rowBytes = elems * (int64_t)sizeof(T);
+    c.gapBytes = len > 1 ? (stride - elems) * (int64_t)sizeof(T) : 0;
+    c.wholeBlocks = c.rowBytes % ROPE_BLOCK_BYTES == 0 && c.gapBytes % ROPE_BLOCK_BYTES == 0 && padElems == elems &&
+                    c.rowBytes / ROPE_BLOCK_BYTES <= 65535 && c.gapBytes / ROPE_BLOCK_BYTES <= 65535 &&
+                    gmAddr % ROPE_BLOCK_BYTES == 0;
+    const int64_t landed = (c.rowBytes + ROPE_BLOCK_BYTES - 1) / ROPE_BLOCK_BYTES * ROPE_BLOCK_BYTES;
+    c.ubSkipBlocks = (padElems * (int64_t)sizeof(T) - landed) / ROPE_BLOCK_BYTES;
+    return c;
+}
+
 template <typename T>
 __aicore__ inline void CopyRowsIn(const LocalTensor<T>& dst, const GlobalTensor<T>& src, int64_t len,
                                   int64_t elems, int64_t stride, int64_t padElems)
 {
-    const int64_t rowBytes = elems * (int64_t)sizeof(T);
-    const int64_t gapBytes = len > 1 ? (stride - elems) * (int64_t)sizeof(T) : 0;
-    if (rowBytes % ROPE_BLOCK_BYTES == 0 && gapBytes % ROPE_BLOCK_BYTES == 0 && padElems == elems &&
-        rowBytes / ROPE_BLOCK_BYTES <= 65535 && gapBytes / ROPE_BLOCK_BYTES <= 65535 &&
-        ((uint64_t)src.GetPhyAddr()) % ROPE_BLOCK_BYTES == 0) {
-        DataCopyParams p{(uint16_t)len, (uint16_t)(rowBytes / ROPE_BLOCK_BYTES),
-                         (uint16_t)(gapBytes / ROPE_BLOCK_BYTES), 0};
+    RowsCopy c = PlanRowsCopy<T>((uint64_t)src.GetPhyAddr(), len, elems, stride, padElems);
+    if (c.wholeBlocks) {
+        DataCopyParams p{(uint16_t)len, (uint16_t)(c.rowBytes / ROPE_BLOCK_BYTES),
+                         (uint16_t)(c.gapBytes / ROPE_BLOCK_BYTES), 0};
         DataCopy(dst, src, p);
     } else {
-        const int64_t landed = (rowBytes + ROPE_BLOCK_BYTES - 1) / ROPE_BLOCK_BYTES * ROPE_BLOCK_BYTES;
-        const int64_t skip = (padElems * (int64_t)sizeof(T) - landed) / ROPE_BLOCK_BYTES;
-        DataCopyExtParams p{(uint16_t)len, (uint32_t)rowBytes, (uint32_t)gapBytes, (uint32_t)skip, 0};
+        DataCopyExtParams p{(uint16_t)len, (uint32_t)c.rowBytes, (uint32_t)c.gapBytes, (uint32_t)c.ubSkipBlocks, 0};
         DataCopyPadExtParams<T> noPad{};  // isPad = false: pad bytes are never stored
         DataCopyPad(dst, src, p, noPad);
     }
 }
 
-// The first `elems` elements of `len` UB rows of `padElems` to GM rows `stride` elements apart.
+// The first `elems` elements of each UB row to GM.
 template <typename T>
 __aicore__ inline void CopyRowsOut(const GlobalTensor<T>& dst, const LocalTensor<T>& src, int64_t len,
                                    int64_t elems, int64_t stride, int64_t padElems)
 {
-    const int64_t rowBytes = elems * (int64_t)sizeof(T);
-    const int64_t gapBytes = len > 1 ? (stride - elems) * (int64_t)sizeof(T) : 0;
-    if (rowBytes % ROPE_BLOCK_BYTES == 0 && gapBytes % ROPE_BLOCK_BYTES == 0 && padElems == elems &&
-        rowBytes / ROPE_BLOCK_BYTES <= 65535 && gapBytes / ROPE_BLOCK_BYTES <= 65535 &&
-        ((uint64_t)dst.GetPhyAddr()) % ROPE_BLOCK_BYTES == 0) {
-        DataCopyParams p{(uint16_t)len, (uint16_t)(rowBytes / ROPE_BLOCK_BYTES), 0,
-                         (uint16_t)(gapBytes / ROPE_BLOCK_BYTES)};
+    RowsCopy c = PlanRowsCopy<T>((uint64_t)dst.GetPhyAddr(), len, elems, stride, padElems);
+    if (c.wholeBlocks) {
+        DataCopyParams p{(uint16_t)len, (uint16_t)(c.rowBytes / ROPE_BLOCK_BYTES), 0,
+                         (uint16_t)(c.gapBytes / ROPE_BLOCK_BYTES)};
         DataCopy(dst, src, p);
     } else {
-        const int64_t landed = (rowBytes + ROPE_BLOCK_BYTES - 1) / ROPE_BLOCK_BYTES * ROPE_BLOCK_BYTES;
-        const int64_t skip = (padElems * (int64_t)sizeof(T) - landed) / ROPE_BLOCK_BYTES;
-        DataCopyExtParams p{(uint16_t)len, (uint32_t)rowBytes, (uint32_t)skip, (uint32_t)gapBytes, 0};
+        DataCopyExtParams p{(uint16_t)len, (uint32_t)c.rowBytes, (uint32_t)c.ubSkipBlocks, (uint32_t)c.gapBytes, 0};
         DataCopyPad(dst, src, p);
     }
 }
@@ -133,10 +144,82 @@ __aicore__ inline int64_t Segment(const RopeTiling& tl, int64_t row, int64_t end
     return tl.seq - s < end - row ? tl.seq - s : end - row;
 }
 
+// A [B, S, H, D] tensor in GM (stride 1 on D) and its strides.
+template <typename T>
+struct HeadsGm {
+    GlobalTensor<T> gm;
+    int64_t sb = 0, ss = 0, sh = 0;
+
+    __aicore__ inline void Init(GM_ADDR addr, int64_t strideB, int64_t strideS, int64_t strideH)
+    {
+        gm.SetGlobalBuffer((__gm__ T*)addr);
+        sb = strideB;
+        ss = strideS;
+        sh = strideH;
+    }
+};
+
+// Columns [col, col + elems) of head h of the tokens row0 .. row0+n-1, GM <-> consecutive UB rows of
+// `pad` elements: one strided copy per run of rows inside one batch entry.
+template <typename T>
+__aicore__ inline void LoadHeadRows(const LocalTensor<T>& dst, const HeadsGm<T>& src, const RopeTiling& tl,
+                                    int64_t h, int64_t col, int64_t elems, int64_t pad, int64_t row0, int64_t n)
+{
+    for (int64_t row = row0, b, s, len; row < row0 + n; row += len) {
+        len = Segment(tl, row, row0 + n, b, s);
+        CopyRowsIn(dst[(row - row0) * pad], src.gm[b * src.sb + s * src.ss + h * src.sh + col], len, elems, src.ss,
+                   pad);
+    }
+}
+
+template <typename T>
+__aicore__ inline void StoreHeadRows(const HeadsGm<T>& dst, const LocalTensor<T>& src, const RopeTiling& tl,
+                                     int64_t h, int64_t col, int64_t elems, int64_t pad, int64_t row0, int64_t n)
+{
+    for (int64_t row = row0, b, s, len; row < row0 + n; row += len) {
+        len = Segment(tl, row, row0 + n, b, s);
+        CopyRowsOut(dst.gm[b * dst.sb + s * dst.ss + h * dst.sh + col], src[(row - row0) * pad], len, elems, dst.ss,
+                    pad);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launch setup, shared by every kernel.
+
+__aicore__ inline void LoadTilingFrom(GM_ADDR tiling, RopeTiling& tl)
+{
+    GlobalTensor<int64_t> tg;
+    tg.SetGlobalBuffer((__gm__ int64_t*)tiling);
+    int64_t* dst = reinterpret_cast<int64_t*>(&tl);
+    for (int32_t i = 0; i < ROPE_TILING_FIELDS; ++i) dst[i] = tg.GetValue(i);
+}
+
+// (first row, row count) of this core.
+__aicore__ inline void CoreRows(const RopeTiling& tl, int64_t& start, int64_t& count)
+{
+    int64_t idx = GetBlockIdx();
+    if (idx < tl.formerNum) {
+        start = idx * tl.formerRows;
+        count = tl.formerRows;
+    } else {
+        start = tl.formerNum * tl.formerRows + (idx - tl.formerNum) * tl.tailRows;
+        count = tl.tailRows;
+    }
+}
+
+// The cos/sin stage's GM arguments, whatever the source reads of them (one declaration each:
+// GM_ADDR may be a macro).
+struct AngleGm {
+    GM_ADDR pos;
+    GM_ADDR cos;
+    GM_ADDR sin;
+    GM_ADDR freq;
+};
+
 // ---------------------------------------------------------------------------------------------
 // Cos/sin sources. A source is a class with
-//   Init(pos, cos, sin, freq, tiling, pipe)  once per core: the kernel's pos/cos/sin/freq
-//                                      arguments, whatever they hold for this source, the tiling,
+//   Init(angles, tiling, pipe)         once per core: the kernel's pos/cos/sin/freq arguments
+//                                      (AngleGm), whatever they hold for this source, the tiling,
 //                                      and the pipe for its own UB buffers (counted in
 //                                      rope_angle_row_bytes);
 //   Fill(cs, sinBase, row0, n)         for the tokens row0 .. row0+n-1 of a tile, m*cos and m*sin
@@ -147,18 +230,34 @@ __aicore__ inline int64_t Segment(const RopeTiling& tl, int64_t row, int64_t end
 // 16-bit rows, a Gather) or by the scalar unit; scalar writes it fences itself (V_S before the
 // first, S_V after the last), since the vector unit may still read cs for the previous tile.
 
-// What the sources share: positions, on-the-fly rows, the cast of 16-bit rows.
+// What the sources share: Init, positions, on-the-fly rows, the caller's tables and the cast of
+// their 16-bit rows. Each source copies a tile's table rows with its own
+//   LoadRows<TT>(dst, sinAt, row0, n)  in the table's dtype TT, ROWS_PER_TOKEN rows of halfPad
+//                                      elements per token (cos from dst[0], sin from dst[sinAt]),
+// which LoadFloatRows calls for the dtype of the tables. Fill here is for sources whose rows all
+// come from the tables; the others define their own.
+template <typename Source, int64_t ROWS_PER_TOKEN>
 class SourceBase {
-protected:
-    __aicore__ inline void InitBase(GM_ADDR pos, GM_ADDR freq, const RopeTiling* tl)
+public:
+    __aicore__ inline void Init(const AngleGm& gm, const RopeTiling* tl, TPipe* pipe)
     {
         tl_ = tl;
-        if (tl->posMode == ROPE_POS_INT32) pos32Gm_.SetGlobalBuffer((__gm__ int32_t*)pos);
-        if (tl->posMode == ROPE_POS_INT64) pos64Gm_.SetGlobalBuffer((__gm__ int64_t*)pos);
-        if (tl->hasFreq) freqGm_.SetGlobalBuffer((__gm__ int64_t*)freq);
+        if (tl->posMode == ROPE_POS_INT32) pos32Gm_.SetGlobalBuffer((__gm__ int32_t*)gm.pos);
+        if (tl->posMode == ROPE_POS_INT64) pos64Gm_.SetGlobalBuffer((__gm__ int64_t*)gm.pos);
+        if (tl->hasFreq) freqGm_.SetGlobalBuffer((__gm__ int64_t*)gm.freq);
         attnFactor_ = FloatOfBits(tl->attnFactorBits);
+        cos_ = gm.cos;
+        sin_ = gm.sin;
+        stageSin_ = ROWS_PER_TOKEN * tl->tileRows * tl->halfPad;
+        if (tl->tableDtype != ROPE_TABLE_FP32) pipe->InitBuffer(stage_, 1, 2 * stageSin_ * 2);
     }
 
+    __aicore__ inline void Fill(LocalTensor<float>& cs, int64_t sinBase, int64_t row0, int64_t n)
+    {
+        LoadFloatRows(cs, sinBase, row0, n);
+    }
+
+protected:
     // Position of token (b, s) on axis `axis` (mRoPE's t, h, w; 0 otherwise).
     __aicore__ inline int64_t Position(int64_t axis, int64_t b, int64_t s) const
     {
@@ -184,134 +283,143 @@ protected:
         }
     }
 
-    // cos/sin rows of 16-bit tables to float32: `count` elements of each table.
+    // The caller's cos and sin tables as elements of type TT.
     template <typename TT>
-    __aicore__ inline void CastRows(const LocalTensor<float>& dst, int64_t dstSinAt, const LocalTensor<TT>& src,
-                                    int64_t srcSinAt, int64_t count)
+    __aicore__ inline void Tables(GlobalTensor<TT>& cosGm, GlobalTensor<TT>& sinGm) const
     {
-        Cast(dst, src, RoundMode::CAST_NONE, (int32_t)count);
-        Cast(dst[dstSinAt], src[srcSinAt], RoundMode::CAST_NONE, (int32_t)count);
+        cosGm.SetGlobalBuffer((__gm__ TT*)cos_);
+        sinGm.SetGlobalBuffer((__gm__ TT*)sin_);
     }
 
-    const RopeTiling* tl_ = nullptr;
-    GlobalTensor<int32_t> pos32Gm_;
-    GlobalTensor<int64_t> pos64Gm_, freqGm_;
-    float attnFactor_ = 1.0f;
-};
-
-// Positions -> rows of cos/sin tables [P, r/2] (rows cosStrideR / sinStrideR elements apart;
-// float32, float16 or bfloat16); positions outside [0, P) never touch the tables.
-class PositionTableSource : public SourceBase {
-public:
-    __aicore__ inline PositionTableSource() {}
-
-    __aicore__ inline void Init(GM_ADDR pos, GM_ADDR cos, GM_ADDR sin, GM_ADDR freq, const RopeTiling* tl,
-                                TPipe* pipe)
-    {
-        InitBase(pos, freq, tl);
-        cos_ = cos;
-        sin_ = sin;
-        if (tl->tableDtype != ROPE_TABLE_FP32)
-            pipe->InitBuffer(stage_, 1, 2 * tl->tileRows * tl->halfPad * 2);
-    }
-
-    __aicore__ inline void Fill(LocalTensor<float>& cs, int64_t sinBase, int64_t row0, int64_t n)
+    // The tile's table rows (the source's LoadRows) as float32 at dst, sin rows from dst[sinAt]:
+    // float32 rows copied straight in, 16-bit rows through the stage and a Cast. Rows the source
+    // computes itself are cast from whatever the stage holds; it writes them afterwards.
+    __aicore__ inline void LoadFloatRows(const LocalTensor<float>& dst, int64_t sinAt, int64_t row0, int64_t n)
     {
         if (tl_->tableDtype == ROPE_TABLE_FP32) {
-            LoadRows<float>(cs, sinBase, row0, n);
+            Self().template LoadRows<float>(dst, sinAt, row0, n);
         } else if (tl_->tableDtype == ROPE_TABLE_FP16) {
-            FillLow<half>(cs, sinBase, row0, n);
+            CastRows<half>(dst, sinAt, row0, n);
         } else {
-            FillLow<bfloat16_t>(cs, sinBase, row0, n);
+            CastRows<bfloat16_t>(dst, sinAt, row0, n);
         }
-        bool scalarWritten = false;
-        for (int64_t t = 0; t < n; ++t) {
-            int64_t b, s;
-            TokenOf(*tl_, row0 + t, b, s);
-            int64_t p = Position(0, b, s);
-            if (InTable(p)) continue;
-            if (!scalarWritten) {
-                VectorDoneBeforeScalar();
-                scalarWritten = true;
-            }
-            for (int64_t i = 0; i < tl_->halfDim; ++i) {
-                float c, sn;
-                OffTable(p, i, c, sn);
-                cs.SetValue(t * tl_->halfPad + i, c);
-                cs.SetValue(sinBase + t * tl_->halfPad + i, sn);
-            }
-        }
-        if (scalarWritten) ScalarDoneBeforeVector();
     }
 
-private:
-    // In-table rows of the tile by DataCopyPad, one row of r/2 elements each (lands 32-byte padded
-    // at halfPad elements), cos at dst[t * halfPad], sin at dst[sinAt + t * halfPad].
+    // For the sources of rows by position, ROWS_PER_TOKEN positions per token (the source's
+    // axes: AxisUsed(axis), AxisOf(frequency)): the row of axis a of token t at
+    // dst[(t * ROWS_PER_TOKEN + a) * halfPad], its sin row at sinAt + that.
+    // In-table rows by DataCopyPad, r/2 elements each (lands 32-byte padded at halfPad elements).
     template <typename TT>
-    __aicore__ inline void LoadRows(const LocalTensor<TT>& dst, int64_t sinAt, int64_t row0, int64_t n)
+    __aicore__ inline void LoadPositionRows(const LocalTensor<TT>& dst, int64_t sinAt, int64_t row0, int64_t n)
     {
         const RopeTiling& tl = *tl_;
         GlobalTensor<TT> cosGm, sinGm;
-        cosGm.SetGlobalBuffer((__gm__ TT*)cos_);
-        sinGm.SetGlobalBuffer((__gm__ TT*)sin_);
+        Tables(cosGm, sinGm);
         DataCopyExtParams row{1, (uint32_t)(tl.halfDim * sizeof(TT)), 0, 0, 0};
         DataCopyPadExtParams<TT> noPad{};
         for (int64_t t = 0; t < n; ++t) {
             int64_t b, s;
             TokenOf(tl, row0 + t, b, s);
-            int64_t p = Position(0, b, s);
-            if (!InTable(p)) continue;
-            DataCopyPad(dst[t * tl.halfPad], cosGm[p * tl.cosStrideR], row, noPad);
-            DataCopyPad(dst[sinAt + t * tl.halfPad], sinGm[p * tl.sinStrideR], row, noPad);
+            for (int64_t axis = 0; axis < ROWS_PER_TOKEN; ++axis) {
+                int64_t p = Position(axis, b, s);
+                if (!Self().AxisUsed(axis) || !InTable(p)) continue;
+                int64_t at = (t * ROWS_PER_TOKEN + axis) * tl.halfPad;
+                DataCopyPad(dst[at], cosGm[p * tl.cosStrideR], row, noPad);
+                DataCopyPad(dst[sinAt + at], sinGm[p * tl.sinStrideR], row, noPad);
+            }
         }
     }
 
-    template <typename TT>
-    __aicore__ inline void FillLow(LocalTensor<float>& cs, int64_t sinBase, int64_t row0, int64_t n)
+    // The rows LoadPositionRows leaves out (positions outside the table), by the scalar unit: the
+    // frequencies of each row's axis.
+    __aicore__ inline void ComputeOffTableRows(const LocalTensor<float>& dst, int64_t sinAt, int64_t row0, int64_t n)
     {
-        int64_t stageSin = tl_->tileRows * tl_->halfPad;
+        const RopeTiling& tl = *tl_;
+        bool scalarWritten = false;
+        for (int64_t t = 0; t < n; ++t) {
+            int64_t b, s;
+            TokenOf(tl, row0 + t, b, s);
+            for (int64_t axis = 0; axis < ROWS_PER_TOKEN; ++axis) {
+                int64_t p = Position(axis, b, s);
+                if (!Self().AxisUsed(axis) || InTable(p)) continue;
+                if (!scalarWritten) {
+                    VectorDoneBeforeScalar();
+                    scalarWritten = true;
+                }
+                int64_t at = (t * ROWS_PER_TOKEN + axis) * tl.halfPad;
+                for (int64_t i = 0; i < tl.halfDim; ++i) {
+                    if (Self().AxisOf(i) != axis) continue;
+                    float c, sn;
+                    OffTable(p, i, c, sn);
+                    dst.SetValue(at + i, c);
+                    dst.SetValue(sinAt + at + i, sn);
+                }
+            }
+        }
+        if (scalarWritten) ScalarDoneBeforeVector();
+    }
+
+    const RopeTiling* tl_ = nullptr;
+
+private:
+    __aicore__ inline Source& Self() { return *static_cast<Source*>(this); }
+
+    template <typename TT>
+    __aicore__ inline void CastRows(const LocalTensor<float>& dst, int64_t sinAt, int64_t row0, int64_t n)
+    {
         LocalTensor<TT> stage = stage_.AllocTensor<TT>();
-        LoadRows<TT>(stage, stageSin, row0, n);
+        Self().template LoadRows<TT>(stage, stageSin_, row0, n);
         stage_.EnQue(stage);
         stage = stage_.DeQue<TT>();
-        // Rows of tokens outside the table are cast from whatever the stage holds; Fill writes
-        // them afterwards.
-        CastRows<TT>(cs, sinBase, stage, stageSin, n * tl_->halfPad);
+        int32_t count = (int32_t)(n * ROWS_PER_TOKEN * tl_->halfPad);
+        Cast(dst, stage, RoundMode::CAST_NONE, count);
+        Cast(dst[sinAt], stage[stageSin_], RoundMode::CAST_NONE, count);
         stage_.FreeTensor(stage);
     }
 
+    GlobalTensor<int32_t> pos32Gm_;
+    GlobalTensor<int64_t> pos64Gm_, freqGm_;
+    float attnFactor_ = 1.0f;
     GM_ADDR cos_ = nullptr;
     GM_ADDR sin_ = nullptr;
-    TQue<QuePosition::VECIN, 1> stage_;
+    int64_t stageSin_ = 0;
+    TQue<QuePosition::VECIN, 1> stage_;  // 16-bit rows before their cast
+};
+
+// Positions -> rows of cos/sin tables [P, r/2] (rows cosStrideR / sinStrideR elements apart;
+// float32, float16 or bfloat16); positions outside [0, P) never touch the tables.
+class PositionTableSource : public SourceBase<PositionTableSource, 1> {
+    friend class SourceBase<PositionTableSource, 1>;
+
+public:
+    __aicore__ inline PositionTableSource() {}
+
+    __aicore__ inline void Fill(LocalTensor<float>& cs, int64_t sinBase, int64_t row0, int64_t n)
+    {
+        LoadFloatRows(cs, sinBase, row0, n);
+        ComputeOffTableRows(cs, sinBase, row0, n);
+    }
+
+private:
+    // One position per token, for every frequency.
+    __aicore__ inline bool AxisUsed(int64_t) const { return true; }
+    __aicore__ inline int64_t AxisOf(int64_t) const { return 0; }
+
+    template <typename TT>
+    __aicore__ inline void LoadRows(const LocalTensor<TT>& dst, int64_t sinAt, int64_t row0, int64_t n)
+    {
+        LoadPositionRows<TT>(dst, sinAt, row0, n);
+    }
 };
 
 // Caller cos/sin per token: row (b, s) of each table at b * strideB + s * strideR (any strides,
 // 0 where broadcast); no positions. One DataCopyPad per run of tokens inside one batch entry
 // where the rows can be one strided copy, else one per token.
-class TokenRowsSource : public SourceBase {
+class TokenRowsSource : public SourceBase<TokenRowsSource, 1> {
+    friend class SourceBase<TokenRowsSource, 1>;
+
 public:
     __aicore__ inline TokenRowsSource() {}
-
-    __aicore__ inline void Init(GM_ADDR pos, GM_ADDR cos, GM_ADDR sin, GM_ADDR freq, const RopeTiling* tl,
-                                TPipe* pipe)
-    {
-        InitBase(pos, freq, tl);
-        cos_ = cos;
-        sin_ = sin;
-        if (tl->tableDtype != ROPE_TABLE_FP32)
-            pipe->InitBuffer(stage_, 1, 2 * tl->tileRows * tl->halfPad * 2);
-    }
-
-    __aicore__ inline void Fill(LocalTensor<float>& cs, int64_t sinBase, int64_t row0, int64_t n)
-    {
-        if (tl_->tableDtype == ROPE_TABLE_FP32) {
-            LoadRows<float>(cs, sinBase, row0, n);
-        } else if (tl_->tableDtype == ROPE_TABLE_FP16) {
-            FillLow<half>(cs, sinBase, row0, n);
-        } else {
-            FillLow<bfloat16_t>(cs, sinBase, row0, n);
-        }
-    }
 
 private:
     template <typename TT>
@@ -340,27 +448,10 @@ private:
     __aicore__ inline void LoadRows(const LocalTensor<TT>& dst, int64_t sinAt, int64_t row0, int64_t n)
     {
         GlobalTensor<TT> cosGm, sinGm;
-        cosGm.SetGlobalBuffer((__gm__ TT*)cos_);
-        sinGm.SetGlobalBuffer((__gm__ TT*)sin_);
+        Tables(cosGm, sinGm);
         LoadTable<TT>(dst, cosGm, tl_->cosStrideB, tl_->cosStrideR, row0, n);
         LoadTable<TT>(dst[sinAt], sinGm, tl_->sinStrideB, tl_->sinStrideR, row0, n);
     }
-
-    template <typename TT>
-    __aicore__ inline void FillLow(LocalTensor<float>& cs, int64_t sinBase, int64_t row0, int64_t n)
-    {
-        int64_t stageSin = tl_->tileRows * tl_->halfPad;
-        LocalTensor<TT> stage = stage_.AllocTensor<TT>();
-        LoadRows<TT>(stage, stageSin, row0, n);
-        stage_.EnQue(stage);
-        stage = stage_.DeQue<TT>();
-        CastRows<TT>(cs, sinBase, stage, stageSin, n * tl_->halfPad);
-        stage_.FreeTensor(stage);
-    }
-
-    GM_ADDR cos_ = nullptr;
-    GM_ADDR sin_ = nullptr;
-    TQue<QuePosition::VECIN, 1> stage_;
 };
 
 // mRoPE: three positions per token (t, h, w: pos[axis, b, s]); frequency i takes the row of the
@@ -368,20 +459,19 @@ private:
 // position (only axes that own frequencies) land in a [token, axis] stage (float32: cast from
 // 16-bit tables; rows outside the table computed on the fly, only the frequencies of that axis),
 // and one Gather per table picks each frequency's value from its axis's row.
-class MRopeSource : public SourceBase {
+class MRopeSource : public SourceBase<MRopeSource, 3> {
+    using Base = SourceBase<MRopeSource, 3>;
+    friend Base;
+
 public:
     __aicore__ inline MRopeSource() {}
 
-    __aicore__ inline void Init(GM_ADDR pos, GM_ADDR cos, GM_ADDR sin, GM_ADDR freq, const RopeTiling* tl,
-                                TPipe* pipe)
+    __aicore__ inline void Init(const AngleGm& gm, const RopeTiling* tl, TPipe* pipe)
     {
-        InitBase(pos, freq, tl);
-        cos_ = cos;
-        sin_ = sin;
+        Base::Init(gm, tl, pipe);
         int64_t n = tl->tileRows, hp = tl->halfPad;
         pipe->InitBuffer(rows_, 1, 2 * 3 * n * hp * sizeof(float));
         pipe->InitBuffer(axisOff_, n * hp * sizeof(uint32_t));
-        if (tl->tableDtype != ROPE_TABLE_FP32) pipe->InitBuffer(stage_, 1, 2 * 3 * n * hp * 2);
         // Offsets of frequency i of token t: its axis's row of that token; row t is row 0 plus t
         // tokens of 3 rows (padding columns read axis 0's row: inside the stage, never used).
         LocalTensor<uint32_t> off = axisOff_.Get<uint32_t>();
@@ -399,37 +489,12 @@ public:
         const RopeTiling& tl = *tl_;
         int64_t rowsSin = 3 * tl.tileRows * tl.halfPad;
         LocalTensor<float> rows = rows_.AllocTensor<float>();
-        if (tl.tableDtype == ROPE_TABLE_FP32) {
-            LoadAxisRows<float>(rows, rowsSin, row0, n);
+        LoadFloatRows(rows, rowsSin, row0, n);
+        if (tl.tableDtype == ROPE_TABLE_FP32) {  // rows copied straight in: MTE2 before the Gather
             rows_.EnQue(rows);
             rows = rows_.DeQue<float>();
-        } else if (tl.tableDtype == ROPE_TABLE_FP16) {
-            CastAxisRows<half>(rows, rowsSin, row0, n);
-        } else {
-            CastAxisRows<bfloat16_t>(rows, rowsSin, row0, n);
         }
-        bool scalarWritten = false;
-        for (int64_t t = 0; t < n; ++t) {
-            int64_t b, s;
-            TokenOf(tl, row0 + t, b, s);
-            for (int64_t axis = 0; axis < 3; ++axis) {
-                int64_t p = Position(axis, b, s);
-                if (!AxisUsed(axis) || InTable(p)) continue;
-                if (!scalarWritten) {
-                    VectorDoneBeforeScalar();
-                    scalarWritten = true;
-                }
-                int64_t at = (t * 3 + axis) * tl.halfPad;
-                for (int64_t i = 0; i < tl.halfDim; ++i) {
-                    if (AxisOf(i) != axis) continue;
-                    float c, sn;
-                    OffTable(p, i, c, sn);
-                    rows.SetValue(at + i, c);
-                    rows.SetValue(rowsSin + at + i, sn);
-                }
-            }
-        }
-        if (scalarWritten) ScalarDoneBeforeVector();
+        ComputeOffTableRows(rows, rowsSin, row0, n);
         LocalTensor<uint32_t> off = axisOff_.Get<uint32_t>();
         uint32_t count = (uint32_t)(n * tl.halfPad);
         Gather(cs, rows, off, (uint32_t)0, count);
@@ -453,44 +518,13 @@ private:
         return (axis == 0 ? tl_->mropeT : axis == 1 ? tl_->mropeH : tl_->mropeW) > 0;
     }
 
-    // In-table rows of each used axis: cos at dst[(t * 3 + axis) * halfPad], sin at sinAt + that.
     template <typename TT>
-    __aicore__ inline void LoadAxisRows(const LocalTensor<TT>& dst, int64_t sinAt, int64_t row0, int64_t n)
+    __aicore__ inline void LoadRows(const LocalTensor<TT>& dst, int64_t sinAt, int64_t row0, int64_t n)
     {
-        const RopeTiling& tl = *tl_;
-        GlobalTensor<TT> cosGm, sinGm;
-        cosGm.SetGlobalBuffer((__gm__ TT*)cos_);
-        sinGm.SetGlobalBuffer((__gm__ TT*)sin_);
-        DataCopyExtParams row{1, (uint32_t)(tl.halfDim * sizeof(TT)), 0, 0, 0};
-        DataCopyPadExtParams<TT> noPad{};
-        for (int64_t t = 0; t < n; ++t) {
-            int64_t b, s;
-            TokenOf(tl, row0 + t, b, s);
-            for (int64_t axis = 0; axis < 3; ++axis) {
-                int64_t p = Position(axis, b, s);
-                if (!AxisUsed(axis) || !InTable(p)) continue;
-                int64_t at = (t * 3 + axis) * tl.halfPad;
-                DataCopyPad(dst[at], cosGm[p * tl.cosStrideR], row, noPad);
-                DataCopyPad(dst[sinAt + at], sinGm[p * tl.sinStrideR], row, noPad);
-            }
-        }
+        LoadPositionRows<TT>(dst, sinAt, row0, n);
     }
 
-    template <typename TT>
-    __aicore__ inline void CastAxisRows(const LocalTensor<float>& rows, int64_t rowsSin, int64_t row0, int64_t n)
-    {
-        LocalTensor<TT> stage = stage_.AllocTensor<TT>();
-        LoadAxisRows<TT>(stage, rowsSin, row0, n);
-        stage_.EnQue(stage);
-        stage = stage_.DeQue<TT>();
-        CastRows<TT>(rows, rowsSin, stage, rowsSin, n * 3 * tl_->halfPad);
-        stage_.FreeTensor(stage);
-    }
-
-    GM_ADDR cos_ = nullptr;
-    GM_ADDR sin_ = nullptr;
     TQue<QuePosition::VECIN, 1> rows_;
-    TQue<QuePosition::VECIN, 1> stage_;
     TBuf<TPosition::VECCALC> axisOff_;
 };
 
@@ -506,12 +540,11 @@ public:
     // stored. zeroAt >= 0 (the prologue rotates whole heads): they are the head's pass-through
     // dims and must come out exactly: C = 1, S' = -0 and their partner is the zero block at byte
     // zeroAt of the rotated buffer, so y = x * 1 + 0 * -0 = x for every x.
-    __aicore__ inline void Init(TPipe* pipe, const RopeTiling* tl, GM_ADDR pos, GM_ADDR cos, GM_ADDR sin,
-                                GM_ADDR freq, int64_t zeroAt)
+    __aicore__ inline void Init(TPipe* pipe, const RopeTiling* tl, const AngleGm& angles, int64_t zeroAt)
     {
         tl_ = tl;
         int64_t n = tl->tileRows, full = n * tl->rowPad;
-        source_.Init(pos, cos, sin, freq, tl, pipe);
+        source_.Init(angles, tl, pipe);
         // Compact rows: [cos rows | a block of 1.0 | sin rows | a block of -0.0]; the tail columns'
         // expansion offsets point at the constants, so cos reads 1 and sin reads -0.
         sinBase_ = n * tl->halfPad + BLOCK_FLOATS;
@@ -627,34 +660,36 @@ private:
 // ---------------------------------------------------------------------------------------------
 // The rotation kernel.
 
+// The GM arguments of the rotation's entries.
+struct RopeGm {
+    GM_ADDR q;
+    GM_ADDR k;
+    GM_ADDR qOut;
+    GM_ADDR kOut;
+    AngleGm angles;
+    GM_ADDR tiling;
+};
+
 template <typename T, bool INVERSE, typename CosSinSource = PositionTableSource>
 class RopeKernel {
 public:
     __aicore__ inline RopeKernel() {}
 
-    __aicore__ inline void Init(GM_ADDR q, GM_ADDR k, GM_ADDR qOut, GM_ADDR kOut, GM_ADDR pos,
-                                GM_ADDR cos, GM_ADDR sin, GM_ADDR freq, GM_ADDR tiling)
+    __aicore__ inline void Init(const RopeGm& gm)
     {
-        LoadTiling(tiling);
-        qGm_.SetGlobalBuffer((__gm__ T*)q);
-        qOutGm_.SetGlobalBuffer((__gm__ T*)qOut);
+        LoadTilingFrom(gm.tiling, tl_);
+        q_.Init(gm.q, tl_.qStrideB, tl_.qStrideS, tl_.qStrideH);
+        qOut_.Init(gm.qOut, tl_.qoStrideB, tl_.qoStrideS, tl_.qoStrideH);
         if (tl_.kHeads > 0) {
-            kGm_.SetGlobalBuffer((__gm__ T*)k);
-            kOutGm_.SetGlobalBuffer((__gm__ T*)kOut);
+            k_.Init(gm.k, tl_.kStrideB, tl_.kStrideS, tl_.kStrideH);
+            kOut_.Init(gm.kOut, tl_.koStrideB, tl_.koStrideS, tl_.koStrideH);
         }
-        int64_t idx = GetBlockIdx();
-        if (idx < tl_.formerNum) {
-            rowStart_ = idx * tl_.formerRows;
-            rowCount_ = tl_.formerRows;
-        } else {
-            rowStart_ = tl_.formerNum * tl_.formerRows + (idx - tl_.formerNum) * tl_.tailRows;
-            rowCount_ = tl_.tailRows;
-        }
+        CoreRows(tl_, rowStart_, rowCount_);
         if (tl_.tileRows <= 0) return;
 
         // UB: exactly tileRows * rope_row_bytes() + rope_fixed_bytes(), see rope_tiling.h.
         int64_t full = tl_.tileRows * tl_.rowPad;  // elements of one full-width tile buffer
-        stage_.Init(&pipe_, &tl_, pos, cos, sin, freq, -1);
+        stage_.Init(&pipe_, &tl_, gm.angles, -1);
         pipe_.InitBuffer(inQueue_, BUFFER_NUM, full * sizeof(T));
         pipe_.InitBuffer(outQueue_, BUFFER_NUM, full * sizeof(T));
         if (tl_.tailPad > 0) pipe_.InitBuffer(tailQueue_, BUFFER_NUM, tl_.tileRows * tl_.tailPad * sizeof(T));
@@ -671,34 +706,21 @@ public:
             int64_t n = rowCount_ - done < tl_.tileRows ? rowCount_ - done : tl_.tileRows;
             int64_t row0 = rowStart_ + done;
             stage_.Fill(row0, n);
-            for (int64_t h = 0; h < tl_.qHeads; ++h) {
-                RotateHead(qGm_, qOutGm_, tl_.qStrideB, tl_.qStrideS, tl_.qStrideH, tl_.qoStrideB,
-                           tl_.qoStrideS, tl_.qoStrideH, h, row0, n);
-            }
-            for (int64_t h = 0; h < tl_.kHeads; ++h) {
-                RotateHead(kGm_, kOutGm_, tl_.kStrideB, tl_.kStrideS, tl_.kStrideH, tl_.koStrideB,
-                           tl_.koStrideS, tl_.koStrideH, h, row0, n);
-            }
+            for (int64_t h = 0; h < tl_.qHeads; ++h) RotateHead(q_, qOut_, h, row0, n);
+            for (int64_t h = 0; h < tl_.kHeads; ++h) RotateHead(k_, kOut_, h, row0, n);
         }
     }
 
 private:
-    __aicore__ inline void LoadTiling(GM_ADDR tiling)
-    {
-        GlobalTensor<int64_t> tg;
-        tg.SetGlobalBuffer((__gm__ int64_t*)tiling);
-        int64_t* dst = reinterpret_cast<int64_t*>(&tl_);
-        for (int32_t i = 0; i < ROPE_TILING_FIELDS; ++i) dst[i] = tg.GetValue(i);
-    }
-
     // Rotary dims [0, r) of head h of tokens row0 .. row0+n-1 (and the pass-through tail).
-    __aicore__ inline void RotateHead(GlobalTensor<T>& in, GlobalTensor<T>& out, int64_t sb,
-                                      int64_t ss, int64_t sh, int64_t osb, int64_t oss, int64_t osh,
-                                      int64_t h, int64_t row0, int64_t n)
+    __aicore__ inline void RotateHead(const HeadsGm<T>& in, const HeadsGm<T>& out, int64_t h, int64_t row0, int64_t n)
     {
-        LoadHead(in, sb, ss, sh, h, row0, n);
-        if (tl_.tailPad > 0) CopyTail(in, out, sb, ss, sh, osb, oss, osh, h, row0, n);
-        LocalTensor<T> x = inQueue_.DeQue<T>();
+        // Each row lands padded to rowPad elements (32 bytes) in UB.
+        LocalTensor<T> x = inQueue_.AllocTensor<T>();
+        LoadHeadRows(x, in, tl_, h, 0, tl_.rotaryDim, tl_.rowPad, row0, n);
+        inQueue_.EnQue(x);
+        if (tl_.tailPad > 0) CopyTail(in, out, h, row0, n);
+        x = inQueue_.DeQue<T>();
         LocalTensor<T> y = outQueue_.AllocTensor<T>();
         int32_t count = (int32_t)(n * tl_.rowPad);
         if constexpr (sizeof(T) == sizeof(float)) {
@@ -712,54 +734,20 @@ private:
         }
         inQueue_.FreeTensor(x);
         outQueue_.EnQue(y);
-        StoreHead(out, osb, oss, osh, h, row0, n);
-    }
-
-    // Copy in the rotary dims of head h, one strided copy per run of rows inside one batch entry;
-    // each row lands padded to rowPad elements (32 bytes) in UB. Enqueued on inQueue_.
-    __aicore__ inline void LoadHead(GlobalTensor<T>& in, int64_t sb, int64_t ss, int64_t sh, int64_t h,
-                                    int64_t row0, int64_t n)
-    {
-        LocalTensor<T> x = inQueue_.AllocTensor<T>();
-        for (int64_t row = row0, b, s, len; row < row0 + n; row += len) {
-            len = Segment(tl_, row, row0 + n, b, s);
-            CopyRowsIn(x[(row - row0) * tl_.rowPad], in[b * sb + s * ss + h * sh], len, tl_.rotaryDim, ss,
-                       tl_.rowPad);
-        }
-        inQueue_.EnQue(x);
-    }
-
-    // Copy out the y rows of outQueue_: only the r valid elements of each UB row reach GM.
-    __aicore__ inline void StoreHead(GlobalTensor<T>& out, int64_t osb, int64_t oss, int64_t osh, int64_t h,
-                                     int64_t row0, int64_t n)
-    {
-        LocalTensor<T> y = outQueue_.DeQue<T>();
-        for (int64_t row = row0, b, s, len; row < row0 + n; row += len) {
-            len = Segment(tl_, row, row0 + n, b, s);
-            CopyRowsOut(out[b * osb + s * oss + h * osh], y[(row - row0) * tl_.rowPad], len, tl_.rotaryDim, oss,
-                        tl_.rowPad);
-        }
+        // Only the r valid elements of each UB row reach GM.
+        y = outQueue_.DeQue<T>();
+        StoreHeadRows(out, y, tl_, h, 0, tl_.rotaryDim, tl_.rowPad, row0, n);
         outQueue_.FreeTensor(y);
     }
 
     // Pass-through dims [r, D) when not in place: GM -> UB -> GM through a VECIN/VECOUT bound queue.
-    __aicore__ inline void CopyTail(GlobalTensor<T>& in, GlobalTensor<T>& out, int64_t sb, int64_t ss,
-                                    int64_t sh, int64_t osb, int64_t oss, int64_t osh, int64_t h,
-                                    int64_t row0, int64_t n)
+    __aicore__ inline void CopyTail(const HeadsGm<T>& in, const HeadsGm<T>& out, int64_t h, int64_t row0, int64_t n)
     {
         LocalTensor<T> t = tailQueue_.AllocTensor<T>();
-        for (int64_t row = row0, b, s, len; row < row0 + n; row += len) {
-            len = Segment(tl_, row, row0 + n, b, s);
-            CopyRowsIn(t[(row - row0) * tl_.tailPad], in[b * sb + s * ss + h * sh + tl_.rotaryDim], len, tl_.tailDim,
-                       ss, tl_.tailPad);
-        }
+        LoadHeadRows(t, in, tl_, h, tl_.rotaryDim, tl_.tailDim, tl_.tailPad, row0, n);
         tailQueue_.EnQue(t);
         t = tailQueue_.DeQue<T>();
-        for (int64_t row = row0, b, s, len; row < row0 + n; row += len) {
-            len = Segment(tl_, row, row0 + n, b, s);
-            CopyRowsOut(out[b * osb + s * oss + h * osh + tl_.rotaryDim], t[(row - row0) * tl_.tailPad], len,
-                        tl_.tailDim, oss, tl_.tailPad);
-        }
+        StoreHeadRows(out, t, tl_, h, tl_.rotaryDim, tl_.tailDim, tl_.tailPad, row0, n);
         tailQueue_.FreeTensor(t);
     }
 
@@ -770,41 +758,44 @@ private:
     TQue<QuePosition::VECOUT, BUFFER_NUM> outQueue_;
     TQueBind<TPosition::VECIN, TPosition::VECOUT, BUFFER_NUM> tailQueue_;
     TBuf<TPosition::VECCALC> xfBuf_, yfBuf_;
-    GlobalTensor<T> qGm_, kGm_, qOutGm_, kOutGm_;
+    HeadsGm<T> q_, k_, qOut_, kOut_;
     int64_t rowStart_ = 0, rowCount_ = 0;
 };
 
-// The angle source a launch uses, read from its tiling before the kernel is built.
-__aicore__ inline int64_t AngleKindOf(GM_ADDR tiling)
-{
-    GlobalTensor<int64_t> tg;
-    tg.SetGlobalBuffer((__gm__ int64_t*)tiling);
-    return tg.GetValue(ROPE_TILING_INDEX(angleKind));
-}
+// ---------------------------------------------------------------------------------------------
+// Launches: one kernel instantiation per cos/sin source, picked at run time.
 
-template <typename T, bool INVERSE, typename Source>
-__aicore__ inline void RunRopeWith(GM_ADDR q, GM_ADDR k, GM_ADDR qOut, GM_ADDR kOut, GM_ADDR pos, GM_ADDR cos,
-                                   GM_ADDR sin, GM_ADDR freq, GM_ADDR tiling)
+template <typename Kernel, typename Gm>
+__aicore__ inline void RunKernel(const Gm& gm)
 {
-    RopeKernel<T, INVERSE, Source> op;
-    op.Init(q, k, qOut, kOut, pos, cos, sin, freq, tiling);
+    Kernel op;
+    op.Init(gm);
     op.Process();
 }
 
-// One launch of RotaryEmbedding(Grad) with the cos/sin source its tiling names.
-template <typename T, bool INVERSE>
-__aicore__ inline void RunRope(GM_ADDR q, GM_ADDR k, GM_ADDR qOut, GM_ADDR kOut, GM_ADDR pos, GM_ADDR cos,
-                               GM_ADDR sin, GM_ADDR freq, GM_ADDR tiling)
+// One launch with the cos/sin source the tiling names (a new source is one more branch here).
+// Kernels::With<Source> is the kernel class; gm the entry's GM arguments, the tiling among them.
+template <typename Kernels, typename Gm>
+__aicore__ inline void RunWithSource(const Gm& gm)
 {
-    int64_t kind = AngleKindOf(tiling);
+    GlobalTensor<int64_t> tg;
+    tg.SetGlobalBuffer((__gm__ int64_t*)gm.tiling);
+    int64_t kind = tg.GetValue(ROPE_TILING_INDEX(angleKind));
     if (kind == ROPE_ANGLES_TOKEN) {
-        RunRopeWith<T, INVERSE, TokenRowsSource>(q, k, qOut, kOut, pos, cos, sin, freq, tiling);
+        RunKernel<typename Kernels::template With<TokenRowsSource>>(gm);
     } else if (kind == ROPE_ANGLES_MROPE) {
-        RunRopeWith<T, INVERSE, MRopeSource>(q, k, qOut, kOut, pos, cos, sin, freq, tiling);
+        RunKernel<typename Kernels::template With<MRopeSource>>(gm);
     } else {
-        RunRopeWith<T, INVERSE, PositionTableSource>(q, k, qOut, kOut, pos, cos, sin, freq, tiling);
+        RunKernel<typename Kernels::template With<PositionTableSource>>(gm);
     }
 }
+
+// RotaryEmbedding (INVERSE false) or RotaryEmbeddingGrad (true) for element type T.
+template <typename T, bool INVERSE>
+struct RopeKernels {
+    template <typename Source>
+    using With = RopeKernel<T, INVERSE, Source>;
+};
 
 }  // namespace rope_ops_ascend
 

@@ -461,16 +461,10 @@ class AscendBackend(Backend):
         env = self._probe()
         config()  # a bad variable is a BackendError here, before anything is written
         skipped: dict[str, list[str]] = {}
-        if not self._tier_allowed("kernels"):
-            skipped["kernels"] = ["disabled by ROPE_OPS_ASCEND_TIERS"]
-        elif env.kernel_ops is None:
-            skipped["kernels"] = [env.kernel_status]
-        else:
-            views = kc.kernel_views(args)
-            why = kc.kernel_reasons(views, args.inverse, self._ub_size(), self._cores(args.q))
-            if not why:
-                return "kernels", skipped, views
-            skipped["kernels"] = why
+        views = self._kernel_views(env, skipped, lambda: kc.kernel_views(args),
+                                   lambda v: kc.kernel_reasons(v, args.inverse, self._ub_size(), self._cores(args.q)))
+        if views is not None:
+            return "kernels", skipped, views
         if not self._tier_allowed("npu_rotary_mul"):
             skipped["npu_rotary_mul"] = ["disabled by ROPE_OPS_ASCEND_TIERS"]
         elif env.rotary_mul is None:
@@ -480,9 +474,31 @@ class AscendBackend(Backend):
             if plan is not None:
                 return "npu_rotary_mul", skipped, plan
             skipped["npu_rotary_mul"] = why
+        return self._torch_tier(skipped, "call")
+
+    def _kernel_views(self, env: _Env, skipped: dict, views_of, reasons_of):
+        """The kernels' views of a call when that tier can take it; else None, with the reasons in
+        ``skipped["kernels"]``. ``views_of()`` builds the views, ``reasons_of(views)`` says what
+        the kernels cannot take (called only when the kernels are allowed and loaded)."""
+        if not self._tier_allowed("kernels"):
+            skipped["kernels"] = ["disabled by ROPE_OPS_ASCEND_TIERS"]
+            return None
+        if env.kernel_ops is None:
+            skipped["kernels"] = [env.kernel_status]
+            return None
+        views = views_of()
+        why = reasons_of(views)
+        if why:
+            skipped["kernels"] = why
+            return None
+        return views
+
+    def _torch_tier(self, skipped: dict, what: str):
+        """The last tier: torch, or a BackendError (before anything is written) when
+        ROPE_OPS_ASCEND_TIERS leaves it out."""
         if not self._tier_allowed("torch"):
             raise BackendError("rope_ops ascend backend: no tier allowed by ROPE_OPS_ASCEND_TIERS="
-                               f"{os.environ.get('ROPE_OPS_ASCEND_TIERS')!r} can take this call: {skipped}",
+                               f"{os.environ.get('ROPE_OPS_ASCEND_TIERS')!r} can take this {what}: {skipped}",
                                refusals={"ascend": [f"{t}: {'; '.join(r)}" for t, r in skipped.items()]})
         return "torch", skipped, None
 
@@ -591,37 +607,27 @@ class AscendBackend(Backend):
         self._torch_backend.run(args)
 
     # ---------------------------------------------------------------- the fused prologue
-    def _choose_prologue(self, args: PrologueArgs, views_of):
-        """(tier, skipped reasons, kernel views) for the prologue: the kernels when they can take
-        the call (``views_of()`` builds their views), else the torch tier. BackendError (before
-        anything is written) when no allowed tier can take it."""
+    def _choose_prologue(self, args: PrologueArgs, grad: bool, views_of):
+        """(tier, skipped reasons, kernel views) for the prologue (grad: its backward): the kernels
+        when they can take the call (``views_of()`` builds their views), else the torch tier.
+        BackendError (before anything is written) when no allowed tier can take it."""
         env = self._probe()
         config()
         skipped: dict[str, list[str]] = {}
-        if not self._tier_allowed("kernels"):
-            skipped["kernels"] = ["disabled by ROPE_OPS_ASCEND_TIERS"]
-        elif env.kernel_ops is None:
-            skipped["kernels"] = [env.kernel_status]
-        else:
-            views, grad = views_of()
-            why = kc.prologue_reasons(views, grad, self._ub_size(), self._cores(args.qkv))
-            if not why:
-                return "kernels", skipped, views
-            skipped["kernels"] = why
+        views = self._kernel_views(env, skipped, views_of,
+                                   lambda v: kc.prologue_reasons(v, grad, self._ub_size(), self._cores(args.qkv)))
+        if views is not None:
+            return "kernels", skipped, views
         skipped["npu_rotary_mul"] = (["no fused prologue (norm, cache write)"] if self._tier_allowed("npu_rotary_mul")
                                      else ["disabled by ROPE_OPS_ASCEND_TIERS"])
-        if not self._tier_allowed("torch"):
-            raise BackendError("rope_ops ascend backend: no tier allowed by ROPE_OPS_ASCEND_TIERS="
-                               f"{os.environ.get('ROPE_OPS_ASCEND_TIERS')!r} can take this prologue: {skipped}",
-                               refusals={"ascend": [f"{t}: {'; '.join(r)}" for t, r in skipped.items()]})
-        return "torch", skipped, None
+        return self._torch_tier(skipped, "prologue")
 
     def _served(self, tier: str, skipped: dict) -> None:
         self.last_tier, self.last_reasons = tier, skipped
         self.tier_counts[tier] += 1
 
     def run_prologue(self, args: PrologueArgs) -> None:
-        tier, skipped, v = self._choose_prologue(args, lambda: (kc.prologue_views(args), False))
+        tier, skipped, v = self._choose_prologue(args, False, lambda: kc.prologue_views(args))
         self._served(tier, skipped)
         if tier != "kernels":
             prologue_forward_torch(args)
@@ -635,7 +641,7 @@ class AscendBackend(Backend):
         qkv = args.qkv
         grad_qkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
         tier, skipped, v = self._choose_prologue(
-            args, lambda: (kc.prologue_grad_views(args, grad_qkv, grad_q, grad_k, grad_v), True))
+            args, True, lambda: kc.prologue_grad_views(args, grad_qkv, grad_q, grad_k, grad_v))
         self._served(tier, skipped)
         if tier != "kernels":
             return prologue_backward_torch(args, grad_q, grad_k, grad_v)

@@ -186,14 +186,20 @@ def angle_params(a: AngleViews) -> dict:
     return p
 
 
+def _op_params(op: int, q_like: torch.Tensor, k_heads: int, rotary_dim: int, interleaved: bool, inverse: bool,
+               inplace: bool, rotate: bool) -> dict:
+    """The fields every op fills (rope_host.cpp's new_tiling): the op, the grid of q's [B, S, Hq, D]
+    heads, k's head count and the rotation."""
+    b, s, hq, d = q_like.shape
+    return {"op": op, "batch": b, "seq": s, "qHeads": hq, "kHeads": k_heads, "headDim": d, "rotaryDim": rotary_dim,
+            "elemSize": ELEM_SIZE.get(q_like.dtype, 0), "interleaved": int(interleaved), "inverse": int(inverse),
+            "inplace": int(inplace), "rotate": int(rotate)}
+
+
 def tiling_params(v: KernelViews, inverse: bool) -> dict:
     """The tiling's input fields of a rotation, as rope_host.cpp fills them."""
-    b, s, hq, d = v.q.shape
-    p = {
-        "op": _tiling.OP_ROTATE, "batch": b, "seq": s, "qHeads": hq, "kHeads": 0 if v.k is None else v.k.shape[2],
-        "headDim": d, "rotaryDim": v.rotary_dim, "elemSize": ELEM_SIZE.get(v.q.dtype, 0),
-        "interleaved": int(v.interleaved), "inverse": int(inverse), "inplace": int(v.inplace), "rotate": 1,
-    }
+    p = _op_params(_tiling.OP_ROTATE, v.q, 0 if v.k is None else v.k.shape[2], v.rotary_dim, v.interleaved, inverse,
+                   v.inplace, True)
     for name, t in (("q", v.q), ("k", v.k), ("qo", v.q_out), ("ko", v.k_out)):
         p[name + "StrideB"], p[name + "StrideS"], p[name + "StrideH"] = _strides3(t)
     p.update(angle_params(v.angles))
@@ -202,17 +208,12 @@ def tiling_params(v: KernelViews, inverse: bool) -> dict:
 
 def prologue_tiling_params(v: PrologueViews, grad: bool) -> dict:
     """The tiling's input fields of the prologue's forward (grad False) or backward."""
-    b, s, hq, d = v.q_out.shape
-    p = {
-        "op": _tiling.OP_PROLOGUE_GRAD if grad else _tiling.OP_PROLOGUE, "batch": b, "seq": s, "qHeads": hq,
-        "kHeads": v.k_out.shape[2], "headDim": d, "rotaryDim": v.rotary_dim,
-        "elemSize": ELEM_SIZE.get(v.q_out.dtype, 0), "interleaved": int(v.interleaved), "inverse": int(grad),
-        "inplace": int(v.inplace), "rotate": int(v.rotate), "hasQWeight": int(v.q_weight is not None),
-        "hasKWeight": int(v.k_weight is not None), "epsBits": _tiling.float_bits(v.eps),
-        "weightOffsetBits": _tiling.float_bits(v.weight_offset),
-        "hasGradQ": int(grad and v.q is not None), "hasGradK": int(grad and v.k is not None),
-        "hasGradV": int(grad and v.v is not None), "hasCache": int(v.k_cache is not None),
-    }
+    p = _op_params(_tiling.OP_PROLOGUE_GRAD if grad else _tiling.OP_PROLOGUE, v.q_out, v.k_out.shape[2],
+                   v.rotary_dim, v.interleaved, grad, v.inplace, v.rotate)
+    p.update(hasQWeight=int(v.q_weight is not None), hasKWeight=int(v.k_weight is not None),
+             epsBits=_tiling.float_bits(v.eps), weightOffsetBits=_tiling.float_bits(v.weight_offset),
+             hasGradQ=int(grad and v.q is not None), hasGradK=int(grad and v.k is not None),
+             hasGradV=int(grad and v.v is not None), hasCache=int(v.k_cache is not None))
     for name, t in (("q", v.q), ("k", v.k), ("v", v.v), ("qo", v.q_out), ("ko", v.k_out), ("vo", v.v_out),
                     ("xq", v.xq), ("xk", v.xk)):
         p[name + "StrideB"], p[name + "StrideS"], p[name + "StrideH"] = _strides3(t)
@@ -261,28 +262,33 @@ def _stride_reasons(named) -> list[str]:
             if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1]
 
 
+def _dtype_reasons(dtype: torch.dtype) -> list[str]:
+    return [] if dtype in ELEM_SIZE else [f"kernels: dtype {dtype} not in fp32/fp16/bf16"]
+
+
+def _tiling_reasons(params: dict, ub_size: int, core_num: int) -> list[str]:
+    """Why no tiling fits the call whose tiling inputs are ``params``."""
+    try:
+        _tiling.compute_tiling(params, ub_size, core_num)
+    except _tiling.TilingError as e:
+        return [f"kernels: tiling: {e}"]
+    return []
+
+
 def kernel_reasons(v: KernelViews, inverse: bool, ub_size: int, core_num: int) -> list[str]:
     """Why the kernels cannot take this call (metadata only); empty: they can."""
-    reasons = []
-    if v.q.dtype not in ELEM_SIZE:
-        reasons.append(f"kernels: dtype {v.q.dtype} not in fp32/fp16/bf16")
+    reasons = _dtype_reasons(v.q.dtype)
     reasons += _stride_reasons((("q", v.q), ("k", v.k), ("q_out", v.q_out), ("k_out", v.k_out)))
     reasons += _angle_reasons(v.angles, v.rotary_dim)
     if reasons:
         return reasons
-    try:
-        _tiling.compute_tiling(tiling_params(v, inverse), ub_size, core_num)
-    except _tiling.TilingError as e:
-        reasons.append(f"kernels: tiling: {e}")
-    return reasons
+    return _tiling_reasons(tiling_params(v, inverse), ub_size, core_num)
 
 
 def prologue_reasons(v: PrologueViews, grad: bool, ub_size: int, core_num: int) -> list[str]:
     """Why the prologue kernels cannot take this call (metadata only); empty: they can."""
-    reasons = []
     dtype = v.q_out.dtype
-    if dtype not in ELEM_SIZE:
-        reasons.append(f"kernels: dtype {dtype} not in fp32/fp16/bf16")
+    reasons = _dtype_reasons(dtype)
     if v.k_cache is not None and (v.k_cache.dtype != dtype or v.v_cache.dtype != dtype):
         reasons.append(f"kernels: KV cache of dtype {v.k_cache.dtype} (the kernels write {dtype} caches)")
     for name, t in (("grad_q", v.q), ("grad_k", v.k), ("grad_v", v.v)):
@@ -294,8 +300,4 @@ def prologue_reasons(v: PrologueViews, grad: bool, ub_size: int, core_num: int) 
         reasons += _angle_reasons(v.angles, v.rotary_dim)
     if reasons:
         return reasons
-    try:
-        _tiling.compute_tiling(prologue_tiling_params(v, grad), ub_size, core_num)
-    except _tiling.TilingError as e:
-        reasons.append(f"kernels: tiling: {e}")
-    return reasons
+    return _tiling_reasons(prologue_tiling_params(v, grad), ub_size, core_num)

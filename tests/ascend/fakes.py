@@ -123,37 +123,45 @@ class Launch(NamedTuple):
     core_num: int
 
 
+def _angles(pos, pos_offset, cos, sin, freq, attn, angles, section, mrope_interleaved) -> kc.AngleViews:
+    """The ops' angle arguments (ROPE_ANGLE_ARGS) as the views they stand for."""
+    return kc.AngleViews(pos, pos_offset, cos, sin, freq, attn, angles, tuple(section), mrope_interleaved)
+
+
 def rope_launch(inverse: bool, q, k, q_out, k_out, pos, pos_offset, cos, sin, freq, attn, angles, section,
                 mrope_interleaved, rotary_dim, interleaved, inplace, ub_size, core_num) -> Launch:
     """The launch of rotary_embedding[_grad] for these op arguments."""
-    a = kc.AngleViews(pos, pos_offset, cos, sin, freq, attn, angles, tuple(section), mrope_interleaved)
+    a = _angles(pos, pos_offset, cos, sin, freq, attn, angles, section, mrope_interleaved)
     v = kc.KernelViews(q, k, q_out, k_out, a, rotary_dim, interleaved, inplace)
     return Launch(rope_sim.ROPE_GRAD if inverse else rope_sim.ROPE, q.dtype,
                   [q, k, q_out, k_out, pos, cos, sin, freq], kc.tiling_params(v, inverse), ub_size, core_num)
+
+
+def _prologue_launch(grad: bool, views: kc.PrologueViews, tensors: list, ub_size: int, core_num: int) -> Launch:
+    return Launch(rope_sim.PROLOGUE_GRAD if grad else rope_sim.PROLOGUE, views.q_out.dtype, tensors,
+                  kc.prologue_tiling_params(views, grad), ub_size, core_num)
 
 
 def prologue_launch(q, k, v, q_out, k_out, v_out, pos, pos_offset, cos, sin, freq, attn, angles, section,
                     mrope_interleaved, rotary_dim, interleaved, rotate, q_weight, k_weight, eps, weight_offset,
                     inplace, k_cache, v_cache, slots, ub_size, core_num) -> Launch:
     """The launch of qkv_prologue for these op arguments."""
-    a = kc.AngleViews(pos, pos_offset, cos, sin, freq, attn, angles, tuple(section), mrope_interleaved)
+    a = _angles(pos, pos_offset, cos, sin, freq, attn, angles, section, mrope_interleaved)
     views = kc.PrologueViews(q, k, v, q_out, k_out, v_out, None, None, a, rotary_dim, interleaved, rotate,
                              q_weight, k_weight, eps, weight_offset, inplace, k_cache, v_cache, slots)
-    return Launch(rope_sim.PROLOGUE, q_out.dtype, [q, k, v, q_out, k_out, v_out, pos, cos, sin, freq, q_weight,
-                                                   k_weight, k_cache, v_cache, slots],
-                  kc.prologue_tiling_params(views, False), ub_size, core_num)
+    return _prologue_launch(False, views, [q, k, v, q_out, k_out, v_out, pos, cos, sin, freq, q_weight, k_weight,
+                                           k_cache, v_cache, slots], ub_size, core_num)
 
 
 def prologue_grad_launch(grad_q, grad_k, grad_v, xq, xk, dq, dk, dv, pos, pos_offset, cos, sin, freq, attn,
                          angles, section, mrope_interleaved, rotary_dim, interleaved, rotate, q_weight, k_weight,
                          eps, weight_offset, q_weight_sums, k_weight_sums, ub_size, core_num) -> Launch:
     """The launch of qkv_prologue_grad for these op arguments."""
-    a = kc.AngleViews(pos, pos_offset, cos, sin, freq, attn, angles, tuple(section), mrope_interleaved)
+    a = _angles(pos, pos_offset, cos, sin, freq, attn, angles, section, mrope_interleaved)
     views = kc.PrologueViews(grad_q, grad_k, grad_v, dq, dk, dv, xq, xk, a, rotary_dim, interleaved, rotate,
                              q_weight, k_weight, eps, weight_offset, False, None, None, None)
-    return Launch(rope_sim.PROLOGUE_GRAD, dq.dtype, [grad_q, grad_k, grad_v, xq, xk, dq, dk, dv, pos, cos, sin,
-                                                     freq, q_weight, k_weight, q_weight_sums, k_weight_sums],
-                  kc.prologue_tiling_params(views, True), ub_size, core_num)
+    return _prologue_launch(True, views, [grad_q, grad_k, grad_v, xq, xk, dq, dk, dv, pos, cos, sin, freq, q_weight,
+                                          k_weight, q_weight_sums, k_weight_sums], ub_size, core_num)
 
 
 def sim_kernel_ops(sim=None, launched: list | None = None) -> KernelOps:

@@ -302,25 +302,8 @@ template <typename T> struct DataCopyPadExtParams {
     T paddingValue = T();
 };
 
-template <typename T> inline void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, uint32_t count) {
-    dst.check_aligned("DataCopy");
-    size_t bytes = (size_t)count * sizeof(T);
-    if (bytes % 32 != 0) rope_sim::fail("DataCopy: length not a multiple of 32 bytes (use DataCopyPad)");
-    ++rope_sim::st().dataCopyCalls;
-    rope_sim::gm_read(src.GetPhyAddr(), bytes, "DataCopy GM->UB");
-    std::memcpy(dst.bytes(0, bytes), src.GetPhyAddr(), bytes);
-}
-
-template <typename T> inline void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>& src, uint32_t count) {
-    src.check_aligned("DataCopy");
-    size_t bytes = (size_t)count * sizeof(T);
-    if (bytes % 32 != 0) rope_sim::fail("DataCopy: length not a multiple of 32 bytes (use DataCopyPad)");
-    ++rope_sim::st().dataCopyCalls;
-    rope_sim::gm_write(dst.GetPhyAddr(), bytes, "DataCopy UB->GM");
-    std::memcpy(dst.GetPhyAddr(), src.bytes(0, bytes), bytes);
-}
-
-// GM addresses of DataCopy are required to be 32-byte aligned here (stricter than may be needed).
+// DataCopy in its block-params form only (whole 32-byte blocks; the kernels use no element-count
+// form). GM addresses are required to be 32-byte aligned here (stricter than may be needed).
 template <typename T>
 inline void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const DataCopyParams& p) {
     dst.check_aligned("DataCopy(params) GM->UB");
