@@ -26,6 +26,7 @@ from rope_ops.testing.checks import assert_bitwise_equal, assert_rope_close
 from rope_ops.testing.tolerances import ulp
 
 from _cpu_support import backend, isa  # noqa: F401  (fixtures)
+from _float8_support import check_float8_cache
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -224,48 +225,14 @@ def test_cache_write_skips_out_of_range_slots(isa, cache_dtype):
             assert (err <= (want.abs() * 2.0**-4 + 2.0**-10) * 1.001).all(), f"float8 {name} cache"
 
 
-def _float8_saturating(x: torch.Tensor) -> torch.Tensor:
-    """SPEC's float8 cache rounding: nearest e4m3 value (ties to even), saturating at +-448
-    (infinities too), NaN stays NaN. torch's own conversion saturates from 2.13 on; 2.11 gives
-    NaN past 448, so the clamp makes this reference independent of the torch version."""
-    return x.clamp(-448.0, 448.0).to(FP8)
-
-
-def _check_float8_cache(backend_name):
-    """v / scale rounded to e4m3 bit for bit as _float8_saturating rounds it (scales of powers of
-    two keep the division exact): ties to even, subnormals, saturation, NaN."""
-    gen = torch.Generator().manual_seed(6)
-    bits = torch.randint(0, 1 << 16, (8 * 16 * 64,), generator=gen, dtype=torch.int32).to(torch.int16)
-    values = bits.view(torch.bfloat16).clone()
-    special = torch.tensor([448, 464, 472, 479.9, 480, -480, 2**-9, 2**-10, 3 * 2**-11, 0.0, -0.0,
-                            float("inf"), float("-inf"), float("nan"), 1 + 2**-4, 1 + 3 * 2**-4,
-                            -(2**-12), 15 * 2**-10, 1000.0, -1000.0])
-    values[: special.numel()] = special.to(torch.bfloat16)
-    tokens, d = 16, 64
-    for scale in (1.0, 2.0**-6, 2.0**9):
-        for v in values.reshape(8, tokens, d):
-            qkv = torch.cat([torch.randn(tokens, 2 * d, generator=gen).bfloat16(), v], -1)
-            k_cache = torch.zeros(tokens, 1, d, dtype=FP8)
-            v_cache = torch.zeros(tokens, 1, d, dtype=FP8)
-            with torch.inference_mode():
-                rope_ops.qkv_prologue(qkv, None, num_q_heads=1, num_kv_heads=1, head_dim=d, rotate=False,
-                                      kv_cache=(k_cache, v_cache), slots=torch.arange(tokens),
-                                      cache_scales=(1.0, scale), backend=backend_name)
-            got = v_cache[:, 0]
-            want = _float8_saturating(v.float() / scale)
-            nan = torch.isnan(v.float())
-            assert torch.equal(torch.isnan(got.float()), nan), f"scale {scale}: NaN"
-            assert torch.equal(got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan]), f"scale {scale}"
-
-
 @pytest.mark.skipif(FP8 is None, reason="no float8 in this torch")
 def test_float8_cache_rounding(isa):
-    _check_float8_cache("cpu")
+    check_float8_cache("cpu")
 
 
 @pytest.mark.skipif(FP8 is None, reason="no float8 in this torch")
 def test_float8_cache_rounding_on_the_torch_backend():
-    _check_float8_cache("torch")
+    check_float8_cache("torch")
 
 
 def test_cache_through_the_api_paged_and_in_place(isa):

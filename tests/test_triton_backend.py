@@ -11,21 +11,11 @@ Otherwise every test is skipped.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from _triton_support import DEVICE, INTERPRET, needs_device
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if INTERPRET:
-    DEVICE = "cpu"
-elif torch.cuda.is_available():
-    DEVICE = "cuda"
-else:
-    DEVICE = None
-
-pytestmark = pytest.mark.skipif(
-    DEVICE is None, reason="needs TRITON_INTERPRET=1 (CPU interpreter) or a CUDA device")
+pytestmark = needs_device
 
 pytest.importorskip("triton")
 

@@ -222,25 +222,9 @@ SCRIPT = textwrap.dedent(r'''
         local = re.search(r"LOCAL:(\d+)", out)
         return int(regs[1]) if regs else -1, int(local[1]) if local else 0
 
-    only = sys.argv[1:]
-    bad = []
-    for name, (args, vector) in cases.items():
-        if only and name not in only:
-            continue
-        cfg = tb.launch_policy(tb.shape_of(args), H200)
-        ck = compile_for(args, cfg)
-        ptx = ck.asm["ptx"]
-        v4 = len(re.findall(r"(?:ld|st)\.global(?:\.[\w:]+)*\.v4\.b32", ptx))
-        narrow = len(re.findall(r"(?:ld|st)\.global(?:\.[\w:]+)*\.(?:b16|v2\.b16|v4\.b16)\b", ptx))
-        regs, spills = resources(ck)
-        print(f"{name:32s} {cfg.label():22s} regs {regs:3d} local {spills} "
-              f"16-byte accesses {v4} 2-byte {narrow}")
-        if spills or (vector and (v4 == 0 or narrow)):
-            bad.append(name)
-    for name, (pargs, backward, vector) in prologue_cases.items():
-        if only and name not in only:
-            continue
-        label, ck = compile_prologue(pargs, backward)
+    def report(name, label, ck, vector):
+        """Print the variant's registers and accesses; note it in ``bad`` if it spills or, where
+        it must, has no 16-byte or any 2-byte global access."""
         ptx = ck.asm["ptx"]
         v4 = len(re.findall(r"(?:ld|st)\.global(?:\.[\w:]+)*\.v4\.b32", ptx))
         narrow = len(re.findall(r"(?:ld|st)\.global(?:\.[\w:]+)*\.(?:b16|v2\.b16|v4\.b16)\b", ptx))
@@ -249,6 +233,19 @@ SCRIPT = textwrap.dedent(r'''
               f"16-byte accesses {v4} 2-byte {narrow}")
         if spills or (vector and (v4 == 0 or narrow)):
             bad.append(name)
+
+    only = sys.argv[1:]
+    bad = []
+    for name, (args, vector) in cases.items():
+        if only and name not in only:
+            continue
+        cfg = tb.launch_policy(tb.shape_of(args), H200)
+        report(name, cfg.label(), compile_for(args, cfg), vector)
+    for name, (pargs, backward, vector) in prologue_cases.items():
+        if only and name not in only:
+            continue
+        label, ck = compile_prologue(pargs, backward)
+        report(name, label, ck, vector)
     print("PROBLEMS:", bad if bad else "none")
     sys.exit(1 if bad else 0)
 ''')

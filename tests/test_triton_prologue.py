@@ -10,15 +10,12 @@ On a machine with a GPU and without the variable, the same checks run on CUDA te
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from _float8_support import FP8, check_float8_cache
+from _triton_support import DEVICE, INTERPRET, needs_device
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else None)
-pytestmark = pytest.mark.skipif(
-    DEVICE is None, reason="needs TRITON_INTERPRET=1 (CPU interpreter) or a CUDA device")
+pytestmark = needs_device
 
 pytest.importorskip("triton")
 
@@ -32,7 +29,6 @@ from rope_ops.testing.tolerances import ulp  # noqa: E402
 import rope_ops_backends.triton_backend as tb  # noqa: E402
 from rope_ops_backends.triton_backend import prologue as tp  # noqa: E402
 
-FP8 = getattr(torch, "float8_e4m3fn", None)
 N_ROWS = 48  # table rows: the cases' positions go past them
 
 
@@ -360,3 +356,10 @@ def test_policy_and_candidates():
     assert len(set(labels)) == len(labels) >= 4
     assert tp.prologue_pieces(0, 41) == (0, 0, 32, 8, 1)  # no rotation: every dim passes
     assert tp.prologue_pieces(32, 80) == (16, 0, 32, 16, 0)
+
+
+@pytest.mark.skipif(FP8 is None, reason="no float8 in this torch")
+def test_float8_cache_rounding_saturates():
+    """value / scale rounded to e4m3 bit for bit, saturating at +-448, NaN kept (on a GPU: the
+    interpreter's float32 -> e4m3 conversion turns NaN into -256)."""
+    check_float8_cache("triton", DEVICE, nan=not INTERPRET)

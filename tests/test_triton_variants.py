@@ -8,15 +8,11 @@ On a machine with a GPU and without the variable, the same checks run on CUDA te
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from _triton_support import DEVICE, needs_device
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else None)
-pytestmark = pytest.mark.skipif(
-    DEVICE is None, reason="needs TRITON_INTERPRET=1 (CPU interpreter) or a CUDA device")
+pytestmark = needs_device
 
 pytest.importorskip("triton")
 

@@ -60,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rope_ops.backend import KernelArgs  # noqa: E402
+from rope_ops.bench.timing import graph_seconds_per_call, warm_up  # noqa: E402
 from rope_ops.frequencies import compute_inv_freq, cos_sin_table, freq_turns_of  # noqa: E402
 
 try:
@@ -84,7 +85,9 @@ def log(*a):
 
 
 @dataclass(frozen=True)
-class Case:
+class Shape:
+    """A rope call's name, layout and sizes (thd: B * S tokens in one sequence)."""
+
     name: str
     layout: str
     B: int
@@ -92,14 +95,10 @@ class Case:
     hq: int
     hk: int
     D: int
-    R: int = 0  # 0: D
-    style: str = "neox"
-    dtype: str = "bfloat16"
-    base: float = 500000.0
-    pos: str = "arange"  # arange per sequence | random (0..32767) | past (beyond the table)
-    inplace: bool = False
-    backward: bool = False  # timed forward + backward
-    packed: bool = False  # q, k views of one [B, S, hq + 2 hk, D] tensor
+
+
+class HasDtype:
+    """rotary and torch_dtype of a case with fields R (0: D), D and dtype."""
 
     @property
     def rotary(self) -> int:
@@ -108,6 +107,18 @@ class Case:
     @property
     def torch_dtype(self):
         return getattr(torch, self.dtype)
+
+
+@dataclass(frozen=True)
+class Case(HasDtype, Shape):
+    R: int = 0  # 0: D
+    style: str = "neox"
+    dtype: str = "bfloat16"
+    base: float = 500000.0
+    pos: str = "arange"  # arange per sequence | random (0..32767) | past (beyond the table)
+    inplace: bool = False
+    backward: bool = False  # timed forward + backward
+    packed: bool = False  # q, k views of one [B, S, hq + 2 hk, D] tensor
 
     def data_bytes(self) -> int:
         """q and k read once and written once (in place: the rotary dims only), per direction."""
@@ -325,14 +336,7 @@ def check_apply_paths():
 
 
 @dataclass(frozen=True)
-class VariantCase:
-    name: str
-    layout: str
-    B: int
-    S: int
-    hq: int
-    hk: int
-    D: int
+class VariantCase(Shape):
     angles: str  # "token": per-token rows, no positions | "mrope": [3, ...] positions
     section: tuple = (16, 24, 24)
     interleaved: bool = False
@@ -419,7 +423,7 @@ def check_variant(vc: VariantCase, backend) -> dict:
 
 
 @dataclass(frozen=True)
-class PrologueCase:
+class PrologueCase(HasDtype):
     name: str
     T: int  # tokens in all
     batch: int = 0  # 0: thd [T, W]; else bshd [batch, T / batch, W]
@@ -438,14 +442,6 @@ class PrologueCase:
     section: tuple = (24, 20, 20)  # mRoPE's (Qwen3-VL's)
     backward: bool = False  # timed forward + backward
     timed: bool = True  # in --prologue's timing (else accuracy only)
-
-    @property
-    def rotary(self) -> int:
-        return self.R or self.D
-
-    @property
-    def torch_dtype(self):
-        return getattr(torch, self.dtype)
 
     def lead(self) -> tuple:
         return (self.T,) if not self.batch else (self.batch, self.T // self.batch)
@@ -724,19 +720,8 @@ def time_prologue(pc: PrologueCase, study: bool, deadline: float) -> dict:
     if not pc.backward and not pc.cache and not pc.inplace:
         row["unfused_us"] = round(graph_us(unfused_fns(inp), iters=3), 2)
     if study:
-        row["candidates"] = {}
-        for label in labels:
-            if time.time() > deadline:
-                row["candidates"][label] = "skipped: budget"
-                continue
-            try:
-                row["candidates"][label] = round(graph_us(prologue_fns(inp, label), iters=3), 2)
-            except Exception as e:  # a candidate that fails is a note, not a failure
-                row["candidates"][label] = f"{type(e).__name__}: {str(e)[:60]}"
-        timed = {k: v for k, v in row["candidates"].items() if isinstance(v, float)}
-        if timed:
-            row["best"] = min(timed, key=timed.get)
-            row["best_us"] = timed[row["best"]]
+        time_candidates(row, labels, lambda label, inp=inp: graph_us(
+            prologue_fns(inp, label), iters=3), deadline)
     del inp
     torch.cuda.empty_cache()
     return row
@@ -773,28 +758,8 @@ def warm_prologue(names: list[str], study: bool) -> None:
 def graph_us(fns, iters=5, calls=48) -> float:
     """Per-call GPU time: `calls` calls (cycling fns) captured in one CUDA graph, best replay.
     Every fn runs before the capture (a launch's first call compiles or loads its kernel)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / calls)
-    return best
+    warm_up(fns, rounds=1)
+    return graph_seconds_per_call(fns, calls, repeats=iters, reduce=min) * 1e6
 
 
 def copy_us(nbytes: int) -> float:
@@ -804,6 +769,24 @@ def copy_us(nbytes: int) -> float:
     bufs = [(torch.empty(half, dtype=torch.uint8, device="cuda"),
              torch.empty(half, dtype=torch.uint8, device="cuda")) for _ in range(n_sets)]
     return graph_us([lambda s=s, d=d: d.copy_(s) for s, d in bufs])
+
+
+def time_candidates(row: dict, labels, us_of, deadline: float = math.inf) -> None:
+    """row["candidates"]: us_of(label), the GPU time of each configuration, while time is left
+    before ``deadline``; row["best"] and row["best_us"]: the fastest of those that ran."""
+    row["candidates"] = {}
+    for label in labels:
+        if time.time() > deadline:
+            row["candidates"][label] = "skipped: budget"
+            continue
+        try:
+            row["candidates"][label] = round(us_of(label), 2)
+        except Exception as e:  # a candidate that fails is a note, not a failure
+            row["candidates"][label] = f"{type(e).__name__}: {str(e)[:60]}"
+    timed = {k: v for k, v in row["candidates"].items() if isinstance(v, float)}
+    if timed:
+        row["best"] = min(timed, key=timed.get)
+        row["best_us"] = timed[row["best"]]
 
 
 def case_fns(inp: Inputs, run) -> list:
@@ -832,18 +815,8 @@ def time_case(case: Case, backend, study: bool) -> dict:
            "copy_us": round(copy, 2), "pct_copy": round(100 * copy / us, 1),
            "policy": tb.kernel_candidates(inp.args(0))[0]}
     if study:
-        row["candidates"] = {}
-        for label in tb.kernel_candidates(inp.args(0)):
-            try:
-                row["candidates"][label] = round(graph_us(
-                    case_fns(inp, lambda a, label=label: tb.run_with(a, label)), iters=3), 2)
-            except Exception as e:  # a candidate that fails is a note, not a failure
-                row["candidates"][label] = f"{type(e).__name__}: {str(e)[:60]}"
-        timed = {k: v for k, v in row["candidates"].items() if isinstance(v, float)}
-        if timed:
-            best = min(timed, key=timed.get)
-            row["best"] = best
-            row["best_us"] = timed[best]
+        time_candidates(row, tb.kernel_candidates(inp.args(0)), lambda label, inp=inp: graph_us(
+            case_fns(inp, lambda a: tb.run_with(a, label)), iters=3))
     del inp
     torch.cuda.empty_cache()
     return row

@@ -235,18 +235,23 @@ def _load_chunk(ptr, row, tmask, h0, n_heads, s_h, s_d, BT: tl.constexpr, BH: tl
                 ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr,
                 PASS_B: tl.constexpr, PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr,
                 D_CONTIG: tl.constexpr):
-    """Everything the program reads of heads [h0, h0 + BH): the pairs of rotary pieces A and B,
-    and the pass-through pieces (the first tensor again in place of a piece that is absent)."""
-    xa, ya = _load_pairs(ptr, row, tmask, h0, n_heads, s_h, s_d, 0, ROT_A, HALF, BT, BH,
-                         INTERLEAVED, D_CONTIG)
-    xb, yb = xa, ya
-    if ROT_B > 0:
-        xb, yb = _load_pairs(ptr, row, tmask, h0, n_heads, s_h, s_d, ROT_A, ROT_B, HALF, BT,
-                             BH, INTERLEAVED, D_CONTIG)
-    pa, pb, pc = xa, xa, xa
+    """Everything the program reads of heads [h0, h0 + BH), zero where masked: the pairs of
+    rotary pieces A and B, and the pass-through pieces. Without rotary dims (ROT_A 0: the
+    prologue without rotation) every dim is a pass-through piece. A piece that is absent repeats
+    one that is present."""
+    if ROT_A > 0:
+        xa, ya = _load_pairs(ptr, row, tmask, h0, n_heads, s_h, s_d, 0, ROT_A, HALF, BT, BH,
+                             INTERLEAVED, D_CONTIG)
+        xb, yb, pa = xa, ya, xa
+        if ROT_B > 0:
+            xb, yb = _load_pairs(ptr, row, tmask, h0, n_heads, s_h, s_d, ROT_A, ROT_B, HALF, BT,
+                                 BH, INTERLEAVED, D_CONTIG)
     if PASS_A > 0:
         pa = _load_dims(ptr, row, tmask, h0, n_heads, s_h, s_d, ROTARY_DIM, PASS_A, HEAD_DIM,
                         BH, D_CONTIG)
+    if ROT_A == 0:
+        xa, ya, xb, yb = pa, pa, pa, pa
+    pb, pc = pa, pa
     if PASS_B > 0:
         pb = _load_dims(ptr, row, tmask, h0, n_heads, s_h, s_d, ROTARY_DIM + PASS_A, PASS_B,
                         HEAD_DIM, BH, D_CONTIG)
@@ -299,16 +304,6 @@ def _store_pairs(xo, yo, ptr, row, tmask, h0, n_heads, s_h, s_d, OFF: tl.constex
 
 
 @triton.jit
-def _rotate_store_pairs(x, y, c, s, ptr, row, tmask, h0, n_heads, s_h, s_d, OFF: tl.constexpr,
-                        W: tl.constexpr, HALF: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-                        INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr):
-    """x' = x c - y s, y' = y c + x s in float32, stored rounded once to the output dtype."""
-    xo, yo = _rotate_pairs(x, y, c, s)
-    _store_pairs(xo, yo, ptr, row, tmask, h0, n_heads, s_h, s_d, OFF, W, HALF, BT, BH,
-                 INTERLEAVED, D_CONTIG)
-
-
-@triton.jit
 def _store_dims(v, ptr, row, tmask, h0, n_heads, s_h, s_d, OFF: tl.constexpr, W: tl.constexpr,
                 END: tl.constexpr, BH: tl.constexpr, D_CONTIG: tl.constexpr):
     h = h0 + tl.arange(0, BH)
@@ -320,18 +315,10 @@ def _store_dims(v, ptr, row, tmask, h0, n_heads, s_h, s_d, OFF: tl.constexpr, W:
 
 
 @triton.jit
-def _rotate_store_chunk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, ptr, row, tmask, h0,
-                        n_heads, s_h, s_d, BT: tl.constexpr, BH: tl.constexpr,
-                        HALF: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr,
-                        ROTARY_DIM: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
-                        PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr):
-    """Store what _load_chunk loaded: the rotary pieces rotated, the pass-through ones as read."""
-    _rotate_store_pairs(xa, ya, ca, sa, ptr, row, tmask, h0, n_heads, s_h, s_d, 0, ROT_A, HALF,
-                        BT, BH, INTERLEAVED, D_CONTIG)
-    if ROT_B > 0:
-        _rotate_store_pairs(xb, yb, cb, sb, ptr, row, tmask, h0, n_heads, s_h, s_d, ROT_A, ROT_B,
-                            HALF, BT, BH, INTERLEAVED, D_CONTIG)
+def _store_pass(pa, pb, pc, ptr, row, tmask, h0, n_heads, s_h, s_d, BH: tl.constexpr,
+                ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr,
+                PASS_B: tl.constexpr, PASS_C: tl.constexpr, D_CONTIG: tl.constexpr):
+    """Store _load_chunk's pass-through pieces where it read them."""
     if PASS_A > 0:
         _store_dims(pa, ptr, row, tmask, h0, n_heads, s_h, s_d, ROTARY_DIM, PASS_A, HEAD_DIM, BH,
                     D_CONTIG)
@@ -341,6 +328,53 @@ def _rotate_store_chunk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, ptr, row, tm
     if PASS_C > 0:
         _store_dims(pc, ptr, row, tmask, h0, n_heads, s_h, s_d, ROTARY_DIM + PASS_A + PASS_B,
                     PASS_C, HEAD_DIM, BH, D_CONTIG)
+
+
+@triton.jit
+def _store_chunk(xa, ya, xb, yb, pa, pb, pc, ptr, row, tmask, h0, n_heads, s_h, s_d,
+                 BT: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr, ROT_A: tl.constexpr,
+                 ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 PASS_A: tl.constexpr, PASS_B: tl.constexpr, PASS_C: tl.constexpr,
+                 INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr):
+    """Store _load_chunk's pieces as given where it read them, rounded once to the output
+    dtype; tmask [BLOCK_T] says which token rows are written."""
+    if ROT_A > 0:
+        _store_pairs(xa, ya, ptr, row, tmask, h0, n_heads, s_h, s_d, 0, ROT_A, HALF, BT, BH,
+                     INTERLEAVED, D_CONTIG)
+    if ROT_B > 0:
+        _store_pairs(xb, yb, ptr, row, tmask, h0, n_heads, s_h, s_d, ROT_A, ROT_B, HALF, BT, BH,
+                     INTERLEAVED, D_CONTIG)
+    _store_pass(pa, pb, pc, ptr, row, tmask, h0, n_heads, s_h, s_d, BH, ROTARY_DIM, HEAD_DIM,
+                PASS_A, PASS_B, PASS_C, D_CONTIG)
+
+
+@triton.jit
+def _rotate_store_pairs(x, y, c, s, ptr, row, tmask, h0, n_heads, s_h, s_d, OFF: tl.constexpr,
+                        W: tl.constexpr, HALF: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                        INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr):
+    """x' = x c - y s, y' = y c + x s in float32, stored rounded once to the output dtype."""
+    xo, yo = _rotate_pairs(x, y, c, s)
+    _store_pairs(xo, yo, ptr, row, tmask, h0, n_heads, s_h, s_d, OFF, W, HALF, BT, BH,
+                 INTERLEAVED, D_CONTIG)
+
+
+@triton.jit
+def _rotate_store_chunk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, ptr, row, tmask, h0,
+                        n_heads, s_h, s_d, BT: tl.constexpr, BH: tl.constexpr,
+                        HALF: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr,
+                        ROTARY_DIM: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
+                        PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr, D_CONTIG: tl.constexpr):
+    """Store what _load_chunk loaded: the rotary pieces rotated, the pass-through ones as read.
+    Each piece is rotated just before its store (rotating both first costs registers: 96 -> 126
+    for GPT-J D 112 on sm_90)."""
+    _rotate_store_pairs(xa, ya, ca, sa, ptr, row, tmask, h0, n_heads, s_h, s_d, 0, ROT_A, HALF,
+                        BT, BH, INTERLEAVED, D_CONTIG)
+    if ROT_B > 0:
+        _rotate_store_pairs(xb, yb, cb, sb, ptr, row, tmask, h0, n_heads, s_h, s_d, ROT_A, ROT_B,
+                            HALF, BT, BH, INTERLEAVED, D_CONTIG)
+    _store_pass(pa, pb, pc, ptr, row, tmask, h0, n_heads, s_h, s_d, BH, ROTARY_DIM, HEAD_DIM,
+                PASS_A, PASS_B, PASS_C, D_CONTIG)
 
 
 # ---------------------------------------------------------------------------------------------

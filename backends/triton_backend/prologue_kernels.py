@@ -27,8 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import (_angles, _load_dims, _load_pairs, _rotate_pairs, _store_dims, _store_pairs,
-                      _tokens)
+from .kernels import _angles, _load_chunk, _rotate_pairs, _store_chunk, _tokens
 
 # CACHE kinds (the constexpr of the same name).
 CACHE_NONE = tl.constexpr(0)
@@ -40,6 +39,7 @@ CACHE_SCALED = tl.constexpr(2)  # float8: value / scale, rounded once
 CACHE_SCALED_GRID = tl.constexpr(3)
 E4M3_MIN_EXPONENT = tl.constexpr(-6)
 E4M3_MANTISSA_BITS = tl.constexpr(3)
+E4M3_MAX = tl.constexpr(448.0)
 RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + it) - it rounds |y| < 2^22 to even
 
 
@@ -48,66 +48,9 @@ RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (y + it) - it rounds |y| < 
 
 
 @triton.jit
-def _load_head(ptr, row, tmask, h0, n_heads, s_h, s_d, BT: tl.constexpr, BH: tl.constexpr,
-               HALF: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr,
-               ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr,
-               PASS_B: tl.constexpr, PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr,
-               D_CONTIG: tl.constexpr):
-    """All dims of heads [h0, h0 + BH) of token rows ``row``, as pieces in the input dtype,
-    zero where masked: (xa, ya, xb, yb) the rotary pairs, (pa, pb, pc) the dims from ROTARY_DIM
-    on. A piece that is absent repeats one that is present."""
-    if PASS_A > 0:
-        pa = _load_dims(ptr, row, tmask, h0, n_heads, s_h, s_d, ROTARY_DIM, PASS_A, HEAD_DIM,
-                        BH, D_CONTIG)
-    if ROT_A > 0:
-        xa, ya = _load_pairs(ptr, row, tmask, h0, n_heads, s_h, s_d, 0, ROT_A, HALF, BT, BH,
-                             INTERLEAVED, D_CONTIG)
-    else:
-        xa, ya = pa, pa
-    if PASS_A == 0:
-        pa = xa
-    xb, yb, pb, pc = xa, ya, pa, pa
-    if ROT_B > 0:
-        xb, yb = _load_pairs(ptr, row, tmask, h0, n_heads, s_h, s_d, ROT_A, ROT_B, HALF, BT, BH,
-                             INTERLEAVED, D_CONTIG)
-    if PASS_B > 0:
-        pb = _load_dims(ptr, row, tmask, h0, n_heads, s_h, s_d, ROTARY_DIM + PASS_A, PASS_B,
-                        HEAD_DIM, BH, D_CONTIG)
-    if PASS_C > 0:
-        pc = _load_dims(ptr, row, tmask, h0, n_heads, s_h, s_d, ROTARY_DIM + PASS_A + PASS_B,
-                        PASS_C, HEAD_DIM, BH, D_CONTIG)
-    return xa, ya, xb, yb, pa, pb, pc
-
-
-@triton.jit
-def _store_head(xa, ya, xb, yb, pa, pb, pc, ptr, row, tmask, h0, n_heads, s_h,
-                BT: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr, ROT_A: tl.constexpr,
-                ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
-                PASS_A: tl.constexpr, PASS_B: tl.constexpr, PASS_C: tl.constexpr,
-                INTERLEAVED: tl.constexpr):
-    """Store _load_head's pieces (dims contiguous), rounded once to the output's dtype; tmask
-    [BLOCK_T] says which token rows are written."""
-    if ROT_A > 0:
-        _store_pairs(xa, ya, ptr, row, tmask, h0, n_heads, s_h, 1, 0, ROT_A, HALF, BT, BH,
-                     INTERLEAVED, True)
-    if ROT_B > 0:
-        _store_pairs(xb, yb, ptr, row, tmask, h0, n_heads, s_h, 1, ROT_A, ROT_B, HALF, BT, BH,
-                     INTERLEAVED, True)
-    if PASS_A > 0:
-        _store_dims(pa, ptr, row, tmask, h0, n_heads, s_h, 1, ROTARY_DIM, PASS_A, HEAD_DIM, BH,
-                    True)
-    if PASS_B > 0:
-        _store_dims(pb, ptr, row, tmask, h0, n_heads, s_h, 1, ROTARY_DIM + PASS_A, PASS_B,
-                    HEAD_DIM, BH, True)
-    if PASS_C > 0:
-        _store_dims(pc, ptr, row, tmask, h0, n_heads, s_h, 1, ROTARY_DIM + PASS_A + PASS_B,
-                    PASS_C, HEAD_DIM, BH, True)
-
-
-@triton.jit
 def _zero_head(BT: tl.constexpr, BH: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr,
                PASS_A: tl.constexpr, PASS_B: tl.constexpr, PASS_C: tl.constexpr):
-    """Float32 zeros shaped as _load_head's pieces (a gradient that is None)."""
+    """Float32 zeros shaped as _load_chunk's pieces (a gradient that is None)."""
     z = tl.zeros([BT, BH, 1], tl.float32)
     xa, xb, pa, pb, pc = z, z, z, z, z
     if ROT_A > 0:
@@ -147,7 +90,7 @@ def _weights(w_ptr, s_w, w_offset, HALF: tl.constexpr, ROT_A: tl.constexpr,
              ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
              PASS_A: tl.constexpr, PASS_B: tl.constexpr, PASS_C: tl.constexpr,
              INTERLEAVED: tl.constexpr):
-    """float32 (w_offset + weight) [W] for each of _load_head's pieces (0 where masked)."""
+    """float32 (w_offset + weight) [W] for each of _load_chunk's pieces (0 where masked)."""
     if PASS_A > 0:
         d = ROTARY_DIM + tl.arange(0, PASS_A)
         wpa = tl.load(w_ptr + d * s_w, mask=d < HEAD_DIM, other=0.0).to(tl.float32) + w_offset
@@ -217,14 +160,17 @@ def _scaled(x, rstd, w):
 
 @triton.jit
 def _divided(x, scale, CACHE: tl.constexpr):
-    """x / scale, correctly rounded (the cache holds value / scale); for CACHE_SCALED_GRID
-    rounded to the nearest e4m3 value (ties to even) as well."""
+    """x / scale, correctly rounded (the cache holds value / scale), within +-448 (NaN stays
+    NaN); for CACHE_SCALED_GRID rounded to the nearest e4m3 value (ties to even) as well."""
     y = tl.div_rn(x.to(tl.float32), tl.zeros(x.shape, tl.float32) + scale)
+    # saturate (SPEC): the conversion alone may give NaN past the largest finite e4m3
+    y = tl.clamp(y, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
     if CACHE == CACHE_SCALED_GRID:
         exponent = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         exponent = tl.maximum(exponent, E4M3_MIN_EXPONENT) - E4M3_MANTISSA_BITS
         ulp = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
-        y = ((y / ulp + RINT_MAGIC) - RINT_MAGIC) * ulp  # y / ulp, * ulp: exact (powers of 2)
+        r = ((y / ulp + RINT_MAGIC) - RINT_MAGIC) * ulp  # y / ulp, * ulp: exact (powers of 2)
+        y = tl.where(r == 0.0, y * 0.0, r)  # a value rounded to zero keeps its sign
     return y
 
 
@@ -233,16 +179,39 @@ def _divided(x, scale, CACHE: tl.constexpr):
 
 
 @triton.jit
-def _finish_qk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, wxa, wya, wxb, wyb, wpa, wpb, wpc,
-               eps, out_ptr, row_out, so_h, tmask, h0, n_heads, c_ptr, row_c, sc_h, cmask,
-               c_scale, NORM: tl.constexpr, ROTATE: tl.constexpr, CACHE: tl.constexpr,
-               BT: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr, ROT_A: tl.constexpr,
-               ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
-               PASS_A: tl.constexpr, PASS_B: tl.constexpr, PASS_C: tl.constexpr,
-               INTERLEAVED: tl.constexpr):
-    """A chunk of q or k heads: normalised (NORM), rotated (ROTATE), stored, and written to the
-    cache at its tokens' slots (k, CACHE)."""
+def _store_cache(xa, ya, xb, yb, pa, pb, pc, c_ptr, row_c, cmask, h0, n_heads, sc_h, c_scale,
+                 CACHE: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr,
+                 ROT_A: tl.constexpr, ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
+                 PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """A chunk of k or v heads written to the cache at its tokens' slots (cmask): the values as
+    stored in k / v, or value / scale (float8)."""
+    if CACHE == CACHE_SAME:
+        _store_chunk(xa, ya, xb, yb, pa, pb, pc, c_ptr, row_c, cmask, h0, n_heads, sc_h, 1, BT,
+                     BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                     INTERLEAVED, True)
+    elif CACHE != CACHE_NONE:
+        _store_chunk(_divided(xa, c_scale, CACHE), _divided(ya, c_scale, CACHE),
+                     _divided(xb, c_scale, CACHE), _divided(yb, c_scale, CACHE),
+                     _divided(pa, c_scale, CACHE), _divided(pb, c_scale, CACHE),
+                     _divided(pc, c_scale, CACHE), c_ptr, row_c, cmask, h0, n_heads, sc_h, 1, BT,
+                     BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                     INTERLEAVED, True)
+
+
+@triton.jit
+def _finish_qk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, w_ptr, s_w, w_offset, eps, out_ptr,
+               row_out, so_h, tmask, h0, n_heads, c_ptr, row_c, sc_h, cmask, c_scale,
+               NORM: tl.constexpr, ROTATE: tl.constexpr, CACHE: tl.constexpr, BT: tl.constexpr,
+               BH: tl.constexpr, HALF: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr,
+               ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr,
+               PASS_B: tl.constexpr, PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """A chunk of q or k heads: normalised (NORM; the weights loaded for each chunk: L1 hits),
+    rotated (ROTATE), stored, and written to the cache at its tokens' slots (k, CACHE)."""
     if NORM:
+        wxa, wya, wxb, wyb, wpa, wpb, wpc = _weights(w_ptr, s_w, w_offset, HALF, ROT_A, ROT_B,
+                                                     ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
+                                                     PASS_C, INTERLEAVED)
         xa, ya, xb, yb = _f32(xa), _f32(ya), _f32(xb), _f32(yb)
         pa, pb, pc = _f32(pa), _f32(pb), _f32(pc)
         rstd = _rstd(xa, ya, xb, yb, pa, pb, pc, eps, HEAD_DIM, ROT_A, ROT_B, PASS_A, PASS_B,
@@ -263,18 +232,12 @@ def _finish_qk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, wxa, wya, wxb, wyb, w
         xa, ya = _rotate_pairs(xa, ya, ca, sa)
         if ROT_B > 0:
             xb, yb = _rotate_pairs(xb, yb, cb, sb)
-    _store_head(xa, ya, xb, yb, pa, pb, pc, out_ptr, row_out, tmask, h0, n_heads, so_h, BT, BH,
-                HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
-    if CACHE == CACHE_SAME:
-        _store_head(xa, ya, xb, yb, pa, pb, pc, c_ptr, row_c, cmask, h0, n_heads, sc_h, BT, BH,
-                    HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
-                    INTERLEAVED)
-    elif CACHE != CACHE_NONE:
-        _store_head(_divided(xa, c_scale, CACHE), _divided(ya, c_scale, CACHE),
-                    _divided(xb, c_scale, CACHE), _divided(yb, c_scale, CACHE),
-                    _divided(pa, c_scale, CACHE), _divided(pb, c_scale, CACHE),
-                    _divided(pc, c_scale, CACHE), c_ptr, row_c, cmask, h0, n_heads, sc_h, BT, BH,
-                    HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
+    _store_chunk(xa, ya, xb, yb, pa, pb, pc, out_ptr, row_out, tmask, h0, n_heads, so_h, 1, BT,
+                 BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                 INTERLEAVED, True)
+    _store_cache(xa, ya, xb, yb, pa, pb, pc, c_ptr, row_c, cmask, h0, n_heads, sc_h, c_scale,
+                 CACHE, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                 INTERLEAVED)
 
 
 @triton.jit
@@ -286,19 +249,12 @@ def _finish_v(xa, ya, xb, yb, pa, pb, pc, out_ptr, row_out, so_h, tmask, h0, n_h
               INTERLEAVED: tl.constexpr):
     """A chunk of v heads: copied as read (STORE_V), and written to the cache."""
     if STORE_V:
-        _store_head(xa, ya, xb, yb, pa, pb, pc, out_ptr, row_out, tmask, h0, n_heads, so_h, BT,
-                    BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
-                    INTERLEAVED)
-    if CACHE == CACHE_SAME:
-        _store_head(xa, ya, xb, yb, pa, pb, pc, c_ptr, row_c, cmask, h0, n_heads, sc_h, BT, BH,
-                    HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
-                    INTERLEAVED)
-    elif CACHE != CACHE_NONE:
-        _store_head(_divided(xa, c_scale, CACHE), _divided(ya, c_scale, CACHE),
-                    _divided(xb, c_scale, CACHE), _divided(yb, c_scale, CACHE),
-                    _divided(pa, c_scale, CACHE), _divided(pb, c_scale, CACHE),
-                    _divided(pc, c_scale, CACHE), c_ptr, row_c, cmask, h0, n_heads, sc_h, BT, BH,
-                    HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
+        _store_chunk(xa, ya, xb, yb, pa, pb, pc, out_ptr, row_out, tmask, h0, n_heads, so_h, 1,
+                     BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                     INTERLEAVED, True)
+    _store_cache(xa, ya, xb, yb, pa, pb, pc, c_ptr, row_c, cmask, h0, n_heads, sc_h, c_scale,
+                 CACHE, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                 INTERLEAVED)
 
 
 @triton.jit
@@ -310,18 +266,18 @@ def _load_group(ci: tl.constexpr, NQC: tl.constexpr, NKC: tl.constexpr, x_ptr, r
                 INTERLEAVED: tl.constexpr):
     """Chunk ci of the walk: q chunks, then k chunks, then v chunks (heads of one qkv row)."""
     if ci < NQC:
-        chunk = _load_head(x_ptr, row_x, tmask, ci * BLOCK_HQ, HQ, HEAD_DIM, 1, BT, BLOCK_HQ,
-                           HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
-                           INTERLEAVED, True)
+        chunk = _load_chunk(x_ptr, row_x, tmask, ci * BLOCK_HQ, HQ, HEAD_DIM, 1, BT, BLOCK_HQ,
+                            HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                            INTERLEAVED, True)
     elif ci < NQC + NKC:
-        chunk = _load_head(x_ptr + HQ * HEAD_DIM, row_x, tmask, (ci - NQC) * BLOCK_HK, HK,
-                           HEAD_DIM, 1, BT, BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM,
-                           PASS_A, PASS_B, PASS_C, INTERLEAVED, True)
+        chunk = _load_chunk(x_ptr + HQ * HEAD_DIM, row_x, tmask, (ci - NQC) * BLOCK_HK, HK,
+                            HEAD_DIM, 1, BT, BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM,
+                            PASS_A, PASS_B, PASS_C, INTERLEAVED, True)
     else:
-        chunk = _load_head(x_ptr + (HQ + HK) * HEAD_DIM, row_x, tmask,
-                           (ci - NQC - NKC) * BLOCK_HK, HK, HEAD_DIM, 1, BT, BLOCK_HK, HALF,
-                           ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
-                           INTERLEAVED, True)
+        chunk = _load_chunk(x_ptr + (HQ + HK) * HEAD_DIM, row_x, tmask,
+                            (ci - NQC - NKC) * BLOCK_HK, HK, HEAD_DIM, 1, BT, BLOCK_HK, HALF,
+                            ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                            INTERLEAVED, True)
     return chunk
 
 
@@ -396,7 +352,7 @@ def prologue_kernel(
                      ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
         else:
             h0 = (ci - NQC - NKC) * BLOCK_HK
-            xa, ya, xb, yb, pa, pb, pc = _load_head(
+            xa, ya, xb, yb, pa, pb, pc = _load_chunk(
                 x_ptr + (HQ + HK) * HEAD_DIM, row_x, tmask, h0, HK, HEAD_DIM, 1, BLOCK_T,
                 BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
                 INTERLEAVED, True)
@@ -407,8 +363,9 @@ def prologue_kernel(
 
     # Token walk: as rope_kernel's (chunk 0 loaded before the angles, chunk c + 1 before chunk
     # c is finished; chunks never overlap, so this is safe in place). The angles are computed
-    # once for all the tokens' heads; the weights are loaded for each chunk (L1 hits: keeping
-    # them in registers for the whole walk costs ~25 registers per thread at D 128).
+    # once for all the tokens' heads; the weights are loaded for each chunk (_finish_qk; L1
+    # hits: keeping them in registers for the whole walk costs ~25 registers per thread at
+    # D 128).
     xa, ya, xb, yb, pa, pb, pc = _load_group(
         0, NQC, NKC, x_ptr, row_x, tmask, HQ, HK, BLOCK_T, BLOCK_HQ, BLOCK_HK, HALF, ROT_A,
         ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
@@ -418,31 +375,21 @@ def prologue_kernel(
                                  sp_s, pos_offset, n_rows, sc_b, sc_row, ss_b, ss_row,
                                  attn_factor, ANGLES, HALF, ROT_A, ROT_B, HAS_POS, HAS_TURNS,
                                  MROPE_S1, MROPE_S2, MROPE_INTERLEAVED, LIBDEVICE, False)
-    wq = (eps, eps, eps, eps, eps, eps, eps)  # unused without the norm
-    wk = wq
     for ci in tl.static_range(NC):
         if ci + 1 < NC:
             nxa, nya, nxb, nyb, npa, npb, npc = _load_group(
                 ci + 1, NQC, NKC, x_ptr, row_x, tmask, HQ, HK, BLOCK_T, BLOCK_HQ, BLOCK_HK, HALF,
                 ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
         if ci < NQC:
-            if Q_NORM:
-                wq = _weights(qw_ptr, s_qw, w_offset, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM,
-                              PASS_A, PASS_B, PASS_C, INTERLEAVED)
-            _finish_qk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, wq[0], wq[1], wq[2], wq[3],
-                       wq[4], wq[5], wq[6], eps, qo_ptr, row_qo, sqo_h, tmask, ci * BLOCK_HQ, HQ,
-                       kc_ptr, row_kc, skc_h, cmask, k_scale, Q_NORM, ROTATE, CACHE_NONE,
-                       BLOCK_T, BLOCK_HQ, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A,
-                       PASS_B, PASS_C, INTERLEAVED)
+            _finish_qk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, qw_ptr, s_qw, w_offset, eps,
+                       qo_ptr, row_qo, sqo_h, tmask, ci * BLOCK_HQ, HQ, kc_ptr, row_kc, skc_h,
+                       cmask, k_scale, Q_NORM, ROTATE, CACHE_NONE, BLOCK_T, BLOCK_HQ, HALF,
+                       ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
         elif ci < NQC + NKC:
-            if K_NORM:
-                wk = _weights(kw_ptr, s_kw, w_offset, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM,
-                              PASS_A, PASS_B, PASS_C, INTERLEAVED)
-            _finish_qk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, wk[0], wk[1], wk[2], wk[3],
-                       wk[4], wk[5], wk[6], eps, ko_ptr, row_ko, sko_h, tmask,
-                       (ci - NQC) * BLOCK_HK, HK, kc_ptr, row_kc, skc_h, cmask, k_scale, K_NORM,
-                       ROTATE, CACHE, BLOCK_T, BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM,
-                       HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
+            _finish_qk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, kw_ptr, s_kw, w_offset, eps,
+                       ko_ptr, row_ko, sko_h, tmask, (ci - NQC) * BLOCK_HK, HK, kc_ptr, row_kc,
+                       skc_h, cmask, k_scale, K_NORM, ROTATE, CACHE, BLOCK_T, BLOCK_HK, HALF,
+                       ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
         else:
             _finish_v(xa, ya, xb, yb, pa, pb, pc, vo_ptr, row_vo, svo_h, tmask,
                       (ci - NQC - NKC) * BLOCK_HK, HK, vc_ptr, row_vc, svc_h, cmask, v_scale,
@@ -464,7 +411,7 @@ def _grid_qk(head_offset: tl.constexpr, x_ptr, row_x, out_ptr, row_out, so_h, tm
              ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr,
              PASS_B: tl.constexpr, PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
     """A head-grid program of q or k heads: its chunk's loads go out before the angles'."""
-    xa, ya, xb, yb, pa, pb, pc = _load_head(
+    xa, ya, xb, yb, pa, pb, pc = _load_chunk(
         x_ptr + head_offset, row_x, tmask, h0, n_heads, HEAD_DIM, 1, BT, BH, HALF, ROT_A, ROT_B,
         ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED, True)
     ca, sa, cb, sb = eps, eps, eps, eps
@@ -473,14 +420,10 @@ def _grid_qk(head_offset: tl.constexpr, x_ptr, row_x, out_ptr, row_out, so_h, tm
                                  sp_s, pos_offset, n_rows, sc_b, sc_row, ss_b, ss_row,
                                  attn_factor, ANGLES, HALF, ROT_A, ROT_B, HAS_POS, HAS_TURNS,
                                  MROPE_S1, MROPE_S2, MROPE_INTERLEAVED, LIBDEVICE, False)
-    w = (eps, eps, eps, eps, eps, eps, eps)
-    if NORM:
-        w = _weights(w_ptr, s_w, w_offset, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A,
-                     PASS_B, PASS_C, INTERLEAVED)
-    _finish_qk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, w[0], w[1], w[2], w[3], w[4], w[5],
-               w[6], eps, out_ptr, row_out, so_h, tmask, h0, n_heads, c_ptr, row_c, sc_h, cmask,
-               c_scale, NORM, ROTATE, CACHE, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM,
-               PASS_A, PASS_B, PASS_C, INTERLEAVED)
+    _finish_qk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, w_ptr, s_w, w_offset, eps, out_ptr,
+               row_out, so_h, tmask, h0, n_heads, c_ptr, row_c, sc_h, cmask, c_scale, NORM,
+               ROTATE, CACHE, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
+               PASS_C, INTERLEAVED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,7 +448,7 @@ def _column_sum(x):
 
 @triton.jit
 def _backward_qk(x_ptr, row_x, g_ptr, row_g, sg_h, sg_d, dx_ptr, row_dx, tmask, h0, n_heads,
-                 ca, sa, cb, sb, wxa, wya, wxb, wyb, wpa, wpb, wpc, eps,
+                 ca, sa, cb, sb, w_ptr, s_w, w_offset, eps,
                  axa, aya, axb, ayb, apa, apb, apc, NORM: tl.constexpr, HAS_G: tl.constexpr,
                  ROTATE: tl.constexpr, G_CONTIG: tl.constexpr, BT: tl.constexpr,
                  BH: tl.constexpr, HALF: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr,
@@ -513,8 +456,12 @@ def _backward_qk(x_ptr, row_x, g_ptr, row_g, sg_h, sg_d, dx_ptr, row_dx, tmask, 
                  PASS_B: tl.constexpr, PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Input gradient of a chunk of q or k heads, stored into grad_qkv; returns the weight
     gradient accumulators (a*) plus this chunk's sums of g * normalised x."""
+    if NORM:  # loaded per chunk (L1 hits), as in the forward
+        wxa, wya, wxb, wyb, wpa, wpb, wpc = _weights(w_ptr, s_w, w_offset, HALF, ROT_A, ROT_B,
+                                                     ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
+                                                     PASS_C, INTERLEAVED)
     if HAS_G:
-        gxa, gya, gxb, gyb, gpa, gpb, gpc = _load_head(
+        gxa, gya, gxb, gyb, gpa, gpb, gpc = _load_chunk(
             g_ptr, row_g, tmask, h0, n_heads, sg_h, sg_d, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM,
             HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED, G_CONTIG)
         gxa, gya, gxb, gyb = _f32(gxa), _f32(gya), _f32(gxb), _f32(gyb)
@@ -524,7 +471,7 @@ def _backward_qk(x_ptr, row_x, g_ptr, row_g, sg_h, sg_d, dx_ptr, row_dx, tmask, 
             if ROT_B > 0:
                 gxb, gyb = _rotate_pairs(gxb, gyb, cb, sb)
         if NORM:
-            xa, ya, xb, yb, pa, pb, pc = _load_head(
+            xa, ya, xb, yb, pa, pb, pc = _load_chunk(
                 x_ptr, row_x, tmask, h0, n_heads, HEAD_DIM, 1, BT, BH, HALF, ROT_A, ROT_B,
                 ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED, True)
             xa, ya, xb, yb = _f32(xa), _f32(ya), _f32(xb), _f32(yb)
@@ -564,9 +511,9 @@ def _backward_qk(x_ptr, row_x, g_ptr, row_g, sg_h, sg_d, dx_ptr, row_dx, tmask, 
     else:
         gxa, gya, gxb, gyb, gpa, gpb, gpc = _zero_head(BT, BH, ROT_A, ROT_B, PASS_A, PASS_B,
                                                        PASS_C)
-    _store_head(gxa, gya, gxb, gyb, gpa, gpb, gpc, dx_ptr, row_dx, tmask, h0, n_heads, HEAD_DIM,
-                BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
-                INTERLEAVED)
+    _store_chunk(gxa, gya, gxb, gyb, gpa, gpb, gpc, dx_ptr, row_dx, tmask, h0, n_heads, HEAD_DIM,
+                 1, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                 INTERLEAVED, True)
     return axa, aya, axb, ayb, apa, apb, apc
 
 
@@ -604,13 +551,15 @@ def _copy_v(g_ptr, row_g, sg_h, sg_d, dx_ptr, row_dx, tmask, h0, n_heads, HAS_G:
             PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
     """grad_qkv's v heads: grad_v as given (zeros when None)."""
     if HAS_G:
-        ga, gb, gc, gd, ge, gf, gg = _load_head(g_ptr, row_g, tmask, h0, n_heads, sg_h, sg_d, BT,
-                                                BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM,
-                                                PASS_A, PASS_B, PASS_C, INTERLEAVED, G_CONTIG)
+        ga, gb, gc, gd, ge, gf, gg = _load_chunk(g_ptr, row_g, tmask, h0, n_heads, sg_h, sg_d,
+                                                 BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM,
+                                                 HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED,
+                                                 G_CONTIG)
     else:
         ga, gb, gc, gd, ge, gf, gg = _zero_head(BT, BH, ROT_A, ROT_B, PASS_A, PASS_B, PASS_C)
-    _store_head(ga, gb, gc, gd, ge, gf, gg, dx_ptr, row_dx, tmask, h0, n_heads, HEAD_DIM, BT, BH,
-                HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
+    _store_chunk(ga, gb, gc, gd, ge, gf, gg, dx_ptr, row_dx, tmask, h0, n_heads, HEAD_DIM, 1, BT,
+                 BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                 INTERLEAVED, True)
 
 
 @triton.jit(do_not_specialize=["n_tokens", "seq_len", "pos_offset", "n_rows"])
@@ -660,28 +609,19 @@ def prologue_backward_kernel(
                                      MROPE_S1, MROPE_S2, MROPE_INTERLEAVED, LIBDEVICE, True)
         for ci in tl.static_range(NC):
             if ci < NQC:
-                wq = (eps, eps, eps, eps, eps, eps, eps)  # unused without the norm
-                if Q_NORM:  # loaded per chunk (L1 hits), as in the forward
-                    wq = _weights(qw_ptr, s_qw, w_offset, HALF, ROT_A, ROT_B, ROTARY_DIM,
-                                  HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
                 qa = _backward_qk(
                     x_ptr, row_x, gq_ptr, b * sgq_b + sq * sgq_s, sgq_h, sgq_d, dx_ptr, row_dx,
-                    tmask, ci * BLOCK_HQ, HQ, ca, sa, cb, sb, wq[0], wq[1], wq[2], wq[3], wq[4],
-                    wq[5], wq[6], eps, qa[0], qa[1], qa[2], qa[3], qa[4], qa[5], qa[6], Q_NORM,
-                    HAS_GQ, ROTATE, G_CONTIG, BLOCK_T, BLOCK_HQ, HALF, ROT_A, ROT_B, ROTARY_DIM,
-                    HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
+                    tmask, ci * BLOCK_HQ, HQ, ca, sa, cb, sb, qw_ptr, s_qw, w_offset, eps, qa[0],
+                    qa[1], qa[2], qa[3], qa[4], qa[5], qa[6], Q_NORM, HAS_GQ, ROTATE, G_CONTIG,
+                    BLOCK_T, BLOCK_HQ, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
+                    PASS_C, INTERLEAVED)
             elif ci < NQC + NKC:
-                wk = (eps, eps, eps, eps, eps, eps, eps)
-                if K_NORM:
-                    wk = _weights(kw_ptr, s_kw, w_offset, HALF, ROT_A, ROT_B, ROTARY_DIM,
-                                  HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
                 ka = _backward_qk(
                     x_ptr + HQ * HEAD_DIM, row_x, gk_ptr, b * sgk_b + sq * sgk_s, sgk_h, sgk_d,
                     dx_ptr + HQ * HEAD_DIM, row_dx, tmask, (ci - NQC) * BLOCK_HK, HK, ca, sa, cb,
-                    sb, wk[0], wk[1], wk[2], wk[3], wk[4], wk[5], wk[6], eps, ka[0], ka[1],
-                    ka[2], ka[3], ka[4], ka[5], ka[6], K_NORM, HAS_GK, ROTATE, G_CONTIG, BLOCK_T,
-                    BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
-                    INTERLEAVED)
+                    sb, kw_ptr, s_kw, w_offset, eps, ka[0], ka[1], ka[2], ka[3], ka[4], ka[5],
+                    ka[6], K_NORM, HAS_GK, ROTATE, G_CONTIG, BLOCK_T, BLOCK_HK, HALF, ROT_A,
+                    ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
             else:
                 _copy_v(gv_ptr, b * sgv_b + sq * sgv_s, sgv_h, sgv_d,
                         dx_ptr + (HQ + HK) * HEAD_DIM, row_dx, tmask,
