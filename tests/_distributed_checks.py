@@ -136,8 +136,13 @@ class Ctx:
     def __init__(self, rank, world, device, rope_backends):
         from torch.distributed.device_mesh import DeviceMesh
 
+        import torch.distributed as dist
+
         self.rank, self.world, self.device = rank, world, device
         self.rope_backends = list(rope_backends)
+        # gloo all-gathers device tensors by crashing (pytorch/pytorch#152645; several ranks on
+        # one GPU can only use gloo): the checks' own all-gathers are left out there.
+        self.gathers_on_device = device.type == "cpu" or dist.get_backend() != "gloo"
         self.meshes = {"1d": DeviceMesh(device.type, torch.arange(world))}
         if world == 4:
             self.meshes["2d"] = DeviceMesh(device.type, torch.arange(4).view(2, 2))
@@ -163,6 +168,17 @@ def placed(full, mesh, placements):
 
     whole = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return whole.redistribute(mesh, placements)
+
+
+def summed(partial_dtensor) -> torch.Tensor:
+    """The sum over ranks of a Partial DTensor's local values, reduced as CPU tensors (which
+    gloo reduces on any machine), on the DTensor's device."""
+    import torch.distributed as dist
+
+    local = partial_dtensor.to_local().detach()
+    total = local.cpu().clone()
+    dist.all_reduce(total)
+    return total.to(local.device)
 
 
 def partial(full, mesh, rank):
@@ -519,38 +535,11 @@ def check_in_place(c: Ctx):
             assert_same(dq.to_local(), expected_local(ref_q, dq, c.rank), f"{what}: q")
             assert_same(dk.to_local(), expected_local(ref_k, dk, c.rank), f"{what}: k")
 
-        # Training: q and k are views of one QKV DTensor (sequence-sharded).
-        what = f"in place on packed QKV views, with grad [{backend}]"
-        width = (h + 2 * hk) * d
-        qkv = c.randn(b, s, width, seed=7)
-        grad = c.randn(b, s, width, seed=8)
-        pos = c.positions(b, s, seed=7)
-
-        def rotate_packed(x, apply, pos):
-            y = x * 1.0
-            q = y[..., : h * d].unflatten(-1, (h, d))
-            k = y[..., h * d: (h + hk) * d].unflatten(-1, (hk, d))
-            apply(q, k, pos, inplace=True, **kw)
-            return y
-
-        leaf = qkv.clone().requires_grad_()
-        ref = rotate_packed(leaf, rope_ops.apply, pos)
-        ref.backward(grad)
-        def torch_in_place_alone():
-            # torch 2.11's backward of any in-place op on a DTensor view (CopySlices) gathers the
-            # whole gradient once; newer torch does not. rope_ops must add nothing to that.
-            x = placed(qkv, mesh, [Shard(1)]).requires_grad_()
-            y = x * 1.0
-            y[..., : h * d].mul_(1.0)
-            y.backward(placed(grad, mesh, [Shard(1)]))
-
-        dleaf = placed(qkv, mesh, [Shard(1)]).requires_grad_()
-        with no_communication(what, allowed=torch_collectives(torch_in_place_alone)):
-            out = rotate_packed(dleaf, rd.apply, pos)
-            out.backward(placed(grad, mesh, [Shard(1)]))
-        assert_same(out.to_local(), expected_local(ref.detach(), out, c.rank), f"{what}: output")
-        assert_same(dleaf.grad.to_local(), expected_local(leaf.grad, dleaf, c.rank), f"{what}: grad")
-
+        # Training: q and k are views of one QKV DTensor (sequence-sharded). torch 2.11's
+        # backward of the in-place write all-gathers (see torch_in_place_alone): left out where
+        # that cannot run.
+        if c.gathers_on_device:
+            _check_in_place_training(c, mesh, b, s, h, hk, d, kw, backend)
         # A leaf that requires grad cannot be written in place: refused, untouched.
         dq = placed(c.randn(b, s, h, d, seed=9), mesh, [Shard(1)]).requires_grad_()
         before = dq.to_local().clone()
@@ -561,6 +550,49 @@ def check_in_place(c: Ctx):
         else:
             raise AssertionError("in place on a leaf DTensor that requires grad was not refused")
         assert_same(dq.to_local(), before, "refused in-place call wrote q")
+    if not c.gathers_on_device:
+        return ("in place on packed QKV views with grad: not run (torch 2.11's backward of an "
+                "in-place write to a DTensor view all-gathers; gloo cannot on device tensors)")
+
+
+def _check_in_place_training(c: Ctx, mesh, b, s, h, hk, d, kw, backend):
+    """rope_ops.distributed.apply in place on q and k views of one sequence-sharded QKV DTensor
+    that requires grad: output and gradient as the single-process ones, and no communication but
+    what torch itself adds to an in-place write on a DTensor view."""
+    import rope_ops
+    import rope_ops.distributed as rd
+    from torch.distributed.tensor import Shard
+
+    what = f"in place on packed QKV views, with grad [{backend}]"
+    width = (h + 2 * hk) * d
+    qkv = c.randn(b, s, width, seed=7)
+    grad = c.randn(b, s, width, seed=8)
+    pos = c.positions(b, s, seed=7)
+
+    def rotate_packed(x, apply, pos):
+        y = x * 1.0
+        q = y[..., : h * d].unflatten(-1, (h, d))
+        k = y[..., h * d: (h + hk) * d].unflatten(-1, (hk, d))
+        apply(q, k, pos, inplace=True, **kw)
+        return y
+
+    leaf = qkv.clone().requires_grad_()
+    ref = rotate_packed(leaf, rope_ops.apply, pos)
+    ref.backward(grad)
+    def torch_in_place_alone():
+        # torch 2.11's backward of any in-place op on a DTensor view (CopySlices) gathers the
+        # whole gradient once; newer torch does not. rope_ops must add nothing to that.
+        x = placed(qkv, mesh, [Shard(1)]).requires_grad_()
+        y = x * 1.0
+        y[..., : h * d].mul_(1.0)
+        y.backward(placed(grad, mesh, [Shard(1)]))
+
+    dleaf = placed(qkv, mesh, [Shard(1)]).requires_grad_()
+    with no_communication(what, allowed=torch_collectives(torch_in_place_alone)):
+        out = rotate_packed(dleaf, rd.apply, pos)
+        out.backward(placed(grad, mesh, [Shard(1)]))
+    assert_same(out.to_local(), expected_local(ref.detach(), out, c.rank), f"{what}: output")
+    assert_same(dleaf.grad.to_local(), expected_local(leaf.grad, dleaf, c.rank), f"{what}: grad")
 
 
 def check_refusals(c: Ctx):
@@ -643,13 +675,14 @@ def check_ops(c: Ctx):
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     b, s, h, hk, d = 2, 2 * c.world + 1, 2 * c.world, c.world, 8
-    try:  # the watch sees communication where there is some (an all-gather)
-        with no_communication("control"):
-            placed(c.randn(b, s, d), c.meshes["1d"], [Shard(1)]).full_tensor()
-    except AssertionError as e:
-        assert "collectives" in str(e), e
-    else:
-        raise AssertionError("no_communication missed an all-gather")
+    if c.gathers_on_device:
+        try:  # the watch sees communication where there is some (an all-gather)
+            with no_communication("control"):
+                placed(c.randn(b, s, d), c.meshes["1d"], [Shard(1)]).full_tensor()
+        except AssertionError as e:
+            assert "collectives" in str(e), e
+        else:
+            raise AssertionError("no_communication missed an all-gather")
     failures = Failures()
     for backend in c.rope_backends:
         for mesh_name, q_pl, pos_pl in (("1d", [Shard(1)], [Replicate()]), ("1d", [Shard(1)], [Shard(1)]),
@@ -873,7 +906,7 @@ def check_prologue(c: Ctx):
             assert_same(dx.grad.to_local(), expected_local(x.grad, dx, c.rank), f"{what}: grad qkv")
             for name, got, want in (("q_norm", dw[0].grad, w[0].grad), ("k_norm", dw[1].grad, w[1].grad)):
                 assert isinstance(got.placements[0], Partial), f"{what}: grad {name} placed {got.placements}"
-                total = got.full_tensor()  # the sum over ranks: communication, on purpose
+                total = summed(got)  # the sum over ranks: communication, on purpose
                 torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5, msg=f"{what}: grad {name}")
 
         head_split = placed(c.randn(2, 2 * c.world, width, seed=35), mesh, [Shard(2)])
@@ -934,7 +967,7 @@ def check_prologue_ops(c: Ctx):
     assert_same(got[0].to_local(), expected_local(ref_back[0], got[0], c.rank), "prologue backward op: qkv")
     for i in (1, 2):
         assert isinstance(got[i].placements[0], Partial), f"weight grad {i} placed {got[i].placements}"
-        torch.testing.assert_close(got[i].full_tensor(), ref_back[i], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(summed(got[i]), ref_back[i], rtol=1e-5, atol=1e-5)
 
     inplace = qkv.clone()
     torch.ops.rope_ops.qkv_prologue_(*op_args(inplace, pos, *weights, dist=False), *cache_none)

@@ -84,8 +84,8 @@ if has verify; then
   timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_integration_transformers.py \
     tests/test_mrope.py tests/test_prologue_hf.py tests/test_torch_backend_slices.py -k "not inductor" \
     > "$OUT/tests_hf_torch.txt" 2>&1 & p6=$!
-  timeout "$t" python3 tests/_distributed_checks.py --device cuda --rope-backend cuda,torch --world-size 2 \
-    > "$OUT/distributed_cuda.txt" 2>&1 & p7=$!
+  PYTHONFAULTHANDLER=1 timeout "$t" python3 tests/_distributed_checks.py --device cuda --rope-backend cuda,torch \
+    --world-size 2 > "$OUT/distributed_cuda.txt" 2>&1 & p7=$!
   for job in "$p1:conformance cuda:conformance_cuda" "$p2:conformance triton:conformance_triton" \
              "$p3:CUDA cases, every candidate:cuda_check" "$p4:sanitizer, every kernel:sanitizer_coverage" \
              "$p5:sanitizer, suite forward cases:sanitizer_suite" \
