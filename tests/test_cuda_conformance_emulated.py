@@ -19,7 +19,7 @@ from _cuda_tools import ext  # noqa: F401  (fixture)
 
 from rope_ops import registry
 from rope_ops.testing import RopeConformance
-from rope_ops_backends.cuda_backend import CudaBackend
+from rope_ops_backends.cuda_backend import CudaBackend, run_prologue, run_prologue_backward
 from rope_ops_backends.torch_backend import TorchBackend
 
 
@@ -39,6 +39,14 @@ class CpuEmulatedCudaBackend(CudaBackend):
     def run(self, args):
         self.calls += 1
         return self.module.run(args)
+
+    def run_prologue(self, args):
+        self.calls += 1
+        run_prologue(self.module, args)
+
+    def run_prologue_backward(self, args, grad_q, grad_k, grad_v):
+        self.calls += 1
+        return run_prologue_backward(self.module, args, grad_q, grad_k, grad_v)
 
     def bind(self, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved, inverse):
         if torch.compiler.is_compiling():
