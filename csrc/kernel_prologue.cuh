@@ -13,7 +13,9 @@
 // all the token's rows. v rows are copied (and cached) through the same units.
 //
 // Forward grid: (tokens, splits), blocks of 128 threads; the 128 / G groups of a token's `splits`
-// blocks walk its rows (q, then k, then v: one launch for all of them and the cache write).
+// blocks walk its rows (q, then k, then v: one launch for all of them and the cache write), two
+// rows at a time per lane where it holds one unit (both rows' loads in flight before the first
+// reduction waits on them).
 // Backward: blocks walk tokens (a grid of at most 8 per SM), lanes keep their weight-gradient
 // sums in registers, and each block writes one row of partial sums ([blocks, D], added up by the
 // caller in a fixed order: deterministic).
@@ -38,7 +40,7 @@ struct PrologueShape {
   int n_units;       // units per row
   int n_rows;        // rows per token walked: q, k (and v when written or cached)
   int group_stride;  // groups walking one token's rows
-  int row_iters;     // rows per group: ceil(n_rows / group_stride)
+  int row_iters;     // passes of a group over its rows (forward: rows_in_flight rows a pass)
 };
 
 // E elements of T from / to 16-byte vectors (VB 16) or single elements (VB sizeof(T)).
@@ -156,6 +158,10 @@ struct PrologueUnits {
   }
 };
 
+// Rows a forward lane has in flight: two (their loads issued back to back, before either's
+// reduction) with one unit per lane, one with four (registers).
+constexpr int prologue_rows_in_flight(int units_per_lane) { return units_per_lane == 1 ? 2 : 1; }
+
 // The sum of v over the G lanes of each group (G a power of two: xor partners stay in the group).
 __device__ __forceinline__ float group_sum(float v, int G) {
   for (int off = G >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
@@ -175,14 +181,15 @@ template <typename T, bool NEOX, int VB, int U, class A>
 struct PrologueLane {
   using Units = PrologueUnits<T, NEOX, VB>;
   static constexpr int NP = Units::NP, W = Units::W;
+  static constexpr int ROWS = prologue_rows_in_flight(U);
 
   int64_t b, s;
   int lane, group;   // lane in the group; the group's index among the token's groups
   int64_t slot;      // the token's cache slot, -1: none
   float c[U][NP], sn[U][NP];
-  float x[U][W];
-  int row;
-  bool active;
+  float x[ROWS][U][W];
+  int row[ROWS];
+  bool active[ROWS];
 
   ROPE_HD PrologueLane(const RopePrologueParams& p, const PrologueShape& sh, int64_t token,
                        int first_group, int thread) {
@@ -213,32 +220,42 @@ struct PrologueLane {
     }
   }
 
-  // Loads row i of the group's walk; returns the lane's part of its sum of squares.
-  ROPE_HD float load_row(const RopePrologueParams& p, const PrologueShape& sh, int i) {
-    row = group + i * sh.group_stride;
-    active = row < sh.n_rows;
-    float sum = 0.f;
-    if (!active) return sum;
-    const T* src = static_cast<const T*>(p.qkv) + b * p.qkv_stride_b + s * p.qkv_stride_s +
-                   (int64_t)row * p.rope.D;
+  // Loads the rows of pass i of the group's walk (rows (i * ROWS + r) * group_stride + group);
+  // part[r]: the lane's part of row r's sum of squares.
+  ROPE_HD void load_rows(const RopePrologueParams& p, const PrologueShape& sh, int i, float* part) {
 #pragma unroll
-    for (int k = 0; k < U; ++k) {
-      const int u = unit(sh, k);
-      if (u >= sh.n_units) continue;
-      Units::load(src, sh, p.rope.R, u, x[k]);
-      const int n = Units::count(sh, u);
+    for (int r = 0; r < ROWS; ++r) {
+      row[r] = group + (i * ROWS + r) * sh.group_stride;
+      active[r] = row[r] < sh.n_rows;
+      part[r] = 0.f;
+      if (!active[r]) continue;
+      const T* src = static_cast<const T*>(p.qkv) + b * p.qkv_stride_b + s * p.qkv_stride_s +
+                     (int64_t)row[r] * p.rope.D;
 #pragma unroll
-      for (int j = 0; j < W; ++j)
-        if (j < n) sum = fmaf(x[k][j], x[k][j], sum);
+      for (int k = 0; k < U; ++k) {
+        const int u = unit(sh, k);
+        if (u >= sh.n_units) continue;
+        Units::load(src, sh, p.rope.R, u, x[r][k]);
+        const int n = Units::count(sh, u);
+#pragma unroll
+        for (int j = 0; j < W; ++j)
+          if (j < n) part[r] = fmaf(x[r][k][j], x[r][k][j], part[r]);
+      }
     }
-    return sum;
   }
 
-  // Norm, rotation and stores of the loaded row; `sum_sq` is the row's sum of squares.
-  ROPE_HD void finish_row(const RopePrologueParams& p, const PrologueShape& sh, float sum_sq) {
-    if (!active) return;
+  // The loaded rows' norm, rotation and stores; sum_sq[r]: row r's sum of squares.
+  ROPE_HD void finish_rows(const RopePrologueParams& p, const PrologueShape& sh, const float* sum_sq) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      if (active[r]) finish_row(p, sh, row[r], x[r], sum_sq[r]);
+  }
+
+  // Norm, rotation and stores of loaded row `r` (values v); `sum_sq` is its sum of squares.
+  ROPE_HD void finish_row(const RopePrologueParams& p, const PrologueShape& sh, int r, float (&v)[U][W],
+                          float sum_sq) {
     int head;
-    const int kind = row_kind(p, row, head);
+    const int kind = row_kind(p, r, head);
     const int64_t R = p.rope.R;
     if (kind < 2) {
       const float* w = kind == 0 ? p.q_weight : p.k_weight;
@@ -251,22 +268,22 @@ struct PrologueLane {
           float wk[W];
           Units::weights(w, p.weight_offset, sh, R, u, wk);
 #pragma unroll
-          for (int j = 0; j < W; ++j) x[k][j] = x[k][j] * rstd * wk[j];
+          for (int j = 0; j < W; ++j) v[k][j] = v[k][j] * rstd * wk[j];
         }
       }
 #pragma unroll
       for (int k = 0; k < U; ++k)
-        if (unit(sh, k) < sh.n_rot) Units::rotate(x[k], c[k], sn[k]);
+        if (unit(sh, k) < sh.n_rot) Units::rotate(v[k], c[k], sn[k]);
     }
     if (kind < 2 || !p.inplace) {
       T* dst = p.inplace ? static_cast<T*>(const_cast<void*>(p.qkv)) + b * p.qkv_stride_b +
-                               s * p.qkv_stride_s + (int64_t)row * p.rope.D
+                               s * p.qkv_stride_s + (int64_t)r * p.rope.D
                          : static_cast<T*>(p.out[kind]) + b * p.out_stride[kind][0] +
                                s * p.out_stride[kind][1] + head * p.out_stride[kind][2];
 #pragma unroll
       for (int k = 0; k < U; ++k) {
         const int u = unit(sh, k);
-        if (u < sh.n_units) Units::store(dst, sh, R, u, x[k]);
+        if (u < sh.n_units) Units::store(dst, sh, R, u, v[k]);
       }
     }
     if (kind > 0 && slot >= 0) {
@@ -278,10 +295,10 @@ struct PrologueLane {
         const int u = unit(sh, k);
         if (u >= sh.n_units) continue;
         if (p.cache_fp8)
-          Units::store_e4m3_unit(static_cast<uint8_t*>(cache) + at, sh, R, u, x[k],
+          Units::store_e4m3_unit(static_cast<uint8_t*>(cache) + at, sh, R, u, v[k],
                                  kind == 1 ? p.k_scale : p.v_scale);
         else
-          Units::store(static_cast<T*>(cache) + at, sh, R, u, x[k]);
+          Units::store(static_cast<T*>(cache) + at, sh, R, u, v[k]);
       }
     }
   }
@@ -294,9 +311,13 @@ __global__ void __launch_bounds__(kPrologueThreads)
                                        threadIdx.x);
   wait_for_previous_grid();
   lane.load_token(p, sh);
+  constexpr int ROWS = prologue_rows_in_flight(U);
   for (int i = 0; i < sh.row_iters; ++i) {  // the same count for every lane: shuffles stay uniform
-    const float part = lane.load_row(p, sh, i);
-    lane.finish_row(p, sh, group_sum(part, sh.G));
+    float sums[ROWS];
+    lane.load_rows(p, sh, i, sums);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) sums[r] = group_sum(sums[r], sh.G);
+    lane.finish_rows(p, sh, sums);
   }
 }
 
@@ -578,7 +599,8 @@ inline bool plan_prologue(const RopePrologueParams& p, const RopeDevice& dev, bo
     const bool v_rows = !p.inplace || p.k_cache != nullptr;
     sh.n_rows = (int)(p.Hq + p.Hk + (v_rows ? p.Hk : 0));
     // few tokens: a token's rows over several blocks, so that every SM gets some
-    const int64_t most = (sh.n_rows + groups - 1) / groups;
+    const int64_t per_pass = groups * prologue_rows_in_flight(plan.units_per_lane);
+    const int64_t most = (sh.n_rows + per_pass - 1) / per_pass;
     const int64_t wanted = tokens > 0 ? (4 * sms + tokens - 1) / tokens : 1;
     plan.splits = (int)(wanted < most ? wanted : most);
     if (plan.splits < 1) plan.splits = 1;
@@ -593,7 +615,8 @@ inline bool plan_prologue(const RopePrologueParams& p, const RopeDevice& dev, bo
     plan.blocks = tokens < 8 * sms ? tokens : 8 * sms;
     plan.smem_bytes = (int)(groups * r.D * (int64_t)sizeof(float));
   }
-  sh.row_iters = (sh.n_rows + sh.group_stride - 1) / sh.group_stride;
+  const int64_t pass_rows = (int64_t)sh.group_stride * (backward ? 1 : prologue_rows_in_flight(plan.units_per_lane));
+  sh.row_iters = (int)((sh.n_rows + pass_rows - 1) / pass_rows);
   return true;
 }
 

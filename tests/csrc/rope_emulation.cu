@@ -159,10 +159,15 @@ struct Emulator {
             lanes[l].load_token(p, sh);
           }
           for (int i = 0; i < sh.row_iters; ++i) {
-            float part[32];
-            for (int l = 0; l < 32; ++l) part[l] = lanes[l].load_row(p, sh, i);
-            emulate_group_sum(part, sh.G);
-            for (int l = 0; l < 32; ++l) lanes[l].finish_row(p, sh, part[l]);
+            float sums[32][Lane::ROWS];
+            for (int l = 0; l < 32; ++l) lanes[l].load_rows(p, sh, i, sums[l]);
+            for (int r = 0; r < Lane::ROWS; ++r) {
+              float part[32];
+              for (int l = 0; l < 32; ++l) part[l] = sums[l][r];
+              emulate_group_sum(part, sh.G);
+              for (int l = 0; l < 32; ++l) sums[l][r] = part[l];
+            }
+            for (int l = 0; l < 32; ++l) lanes[l].finish_rows(p, sh, sums[l]);
           }
         }
     return cudaSuccess;
