@@ -131,12 +131,14 @@ struct PrologueUnits {
     vectors(sh, R, u, [&](int64_t off, int at) { store_e4m3<E>(row + off, x + at, scale); });
   }
 
-  // offset + w for the unit's elements.
-  static ROPE_HD void weights(const float* w, float offset, const PrologueShape& sh, int64_t R,
-                              int u, float* out) {
+  // offset + w for the unit's elements; w float32, or of T (like_qkv: qkv's dtype, read as the
+  // data is).
+  static ROPE_HD void weights(const void* w, bool like_qkv, float offset, const PrologueShape& sh,
+                              int64_t R, int u, float* out) {
     vectors(sh, R, u, [&](int64_t off, int at) {
       float t[E];
-      load_weights<E>(w + off, t);
+      if (like_qkv) X::load(static_cast<const T*>(w) + off, t);
+      else load_weights<E>(static_cast<const float*>(w) + off, t);
 #pragma unroll
       for (int j = 0; j < E; ++j) out[at + j] = offset + t[j];
     });
@@ -258,7 +260,7 @@ struct PrologueLane {
     const int kind = row_kind(p, r, head);
     const int64_t R = p.rope.R;
     if (kind < 2) {
-      const float* w = kind == 0 ? p.q_weight : p.k_weight;
+      const void* w = kind == 0 ? p.q_weight : p.k_weight;
       if (w != nullptr) {
         const float rstd = 1.0f / sqrtf(sum_sq / (float)p.rope.D + p.eps);
 #pragma unroll
@@ -266,7 +268,7 @@ struct PrologueLane {
           const int u = unit(sh, k);
           if (u >= sh.n_units) continue;
           float wk[W];
-          Units::weights(w, p.weight_offset, sh, R, u, wk);
+          Units::weights(w, p.weights_like_qkv != 0, p.weight_offset, sh, R, u, wk);
 #pragma unroll
           for (int j = 0; j < W; ++j) v[k][j] = v[k][j] * rstd * wk[j];
         }
@@ -404,13 +406,13 @@ struct PrologueGradLane {
     float dot = 0.f;
     if (!active || !normed) return dot;
     rstd = 1.0f / sqrtf(sum_sq / (float)p.rope.D + p.eps);
-    const float* w = kind == 0 ? p.q_weight : p.k_weight;
+    const void* w = kind == 0 ? p.q_weight : p.k_weight;
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int u = unit(sh, k);
       if (u >= sh.n_units) continue;
       float wk[W];
-      Units::weights(w, p.weight_offset, sh, p.rope.R, u, wk);
+      Units::weights(w, p.weights_like_qkv != 0, p.weight_offset, sh, p.rope.R, u, wk);
       const int cnt = Units::count(sh, u);
 #pragma unroll
       for (int j = 0; j < W; ++j) {

@@ -32,9 +32,11 @@ typedef struct RopePrologueParams {
   int inplace;
   void* out[3];
   int64_t out_stride[3][3];
-  // RMSNorm weights: contiguous float32 [D], 16-byte aligned, or null (that norm off).
-  const float* q_weight;
-  const float* k_weight;
+  // RMSNorm weights: contiguous [D], 16-byte aligned, float32 or (weights_like_qkv) qkv's dtype;
+  // null: that norm off.
+  const void* q_weight;
+  const void* k_weight;
+  int weights_like_qkv;
   float eps, weight_offset;
   // KV cache (forward, optional): [num_slots, Hk, D] with (slot, head) element strides and
   // stride 1 along D; slot(b, s) outside [0, num_slots) is skipped. Same dtype as qkv, or float8

@@ -85,14 +85,27 @@ inline bool head_strides(const Tensor& t, const PrologueCall& c, const RopeParam
   return c.head_dim == 1 || t.stride(-1) == 1;
 }
 
-// A norm weight as the kernels read it: contiguous float32, 16-byte aligned.
-inline Tensor kernel_weight(const Tensor& w, const PrologueCall& c) {
-  if (!w.defined()) return w;
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == c.head_dim && w.device() == c.qkv.device(),
-              "rope_ops_cuda: a norm weight must be [head_dim] on qkv's device");
-  Tensor f = w.scalar_type() == at::kFloat && w.is_contiguous() ? w : w.to(at::kFloat).contiguous();
-  if (reinterpret_cast<uintptr_t>(f.data_ptr()) % 16 != 0) f = f.clone();
-  return f;
+// The norm weights as the kernels read them: contiguous, 16-byte aligned, both float32 or both
+// of qkv's dtype (as given where they already are: no conversion launch per call).
+inline void kernel_weights(PrologueCall& c, RopePrologueParams& p) {
+  Tensor* ws[2] = {&c.q_weight, &c.k_weight};
+  bool like_qkv = true;
+  for (Tensor* w : ws) {
+    if (!w->defined()) continue;
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == c.head_dim && w->device() == c.qkv.device() &&
+                    at::isFloatingType(w->scalar_type()),
+                "rope_ops_cuda: a norm weight must be a floating-point [head_dim] tensor on qkv's device");
+    like_qkv = like_qkv && w->scalar_type() == c.qkv.scalar_type();
+  }
+  const at::ScalarType want = like_qkv ? c.qkv.scalar_type() : at::kFloat;
+  for (Tensor* w : ws) {
+    if (!w->defined()) continue;
+    if (w->scalar_type() != want || !w->is_contiguous()) *w = w->to(want).contiguous();
+    if (reinterpret_cast<uintptr_t>(w->data_ptr()) % 16 != 0) *w = w->clone();
+  }
+  p.q_weight = c.q_weight.defined() ? c.q_weight.data_ptr() : nullptr;
+  p.k_weight = c.k_weight.defined() ? c.k_weight.data_ptr() : nullptr;
+  p.weights_like_qkv = like_qkv ? 1 : 0;
 }
 
 // The fields both directions share: sizes, qkv, angles (rope.inverse for the backward), weights.
@@ -139,10 +152,7 @@ RopePrologueParams prologue_common(PrologueCall& c, bool backward) {
     r.R = 0;
     r.pos_kind = ROPE_POS_OFFSET;
   }
-  c.q_weight = kernel_weight(c.q_weight, c);
-  c.k_weight = kernel_weight(c.k_weight, c);
-  p.q_weight = c.q_weight.defined() ? c.q_weight.data_ptr<float>() : nullptr;
-  p.k_weight = c.k_weight.defined() ? c.k_weight.data_ptr<float>() : nullptr;
+  kernel_weights(c, p);
   p.eps = static_cast<float>(c.eps);
   p.weight_offset = static_cast<float>(c.weight_offset);
   return p;
