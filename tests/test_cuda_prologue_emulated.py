@@ -68,3 +68,32 @@ def test_backend_serves_the_prologue_and_falls_back(ext):
                 torch.testing.assert_close(g, t, rtol=1e-5, atol=1e-5)
             ran = {n for n in kernels_run(c_api) if n.startswith("prologue")}
             assert bool(ran) == kernel, ran
+
+
+def test_timing_calls_run(ext, check_tool):
+    """gpu_cuda_check --prologue-timing's calls (the GPU timing itself needs a GPU) on small
+    versions of gpu_triton_check's prologue cases: the kernels take them and write the outputs."""
+    import dataclasses
+
+    tc = check_tool.load_triton_check()
+    for pc in tc.PROLOGUE_CASES:
+        if pc.angles != "table":
+            continue
+        small = dataclasses.replace(pc, T=8, hq=4, hk=2, D=64, R=0 if not pc.R else 32)
+        inp = tc.PrologueInputs(small, 1, device="cpu")
+        taken = []
+
+        def forward(args):
+            taken.append(ext.prologue(args))
+
+        def backward(args, *grads):
+            taken.append(ext.prologue_backward(args, *grads) is not None)
+
+        for call in check_tool.prologue_timed_calls(small, inp, forward, backward):
+            call()
+        assert taken and all(taken), (pc.name, taken)
+        args = inp.sets[0][0]
+        if args.inplace:
+            assert torch.isfinite(args.qkv.float()).all()
+        else:
+            assert torch.isfinite(args.q_out.float()).all()

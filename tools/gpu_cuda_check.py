@@ -1091,14 +1091,28 @@ def _fp8_saturation_problems(rn: Runner, args) -> list[str]:
 
 
 
-def prologue_timing(rn: Runner) -> None:
-    """GPU time of the CUDA prologue kernels on tools/gpu_triton_check.py's prologue cases (its
-    inputs, its CUDA-graph timing), against a same-run copy of the bytes that must move and the
-    Triton kernel on the same inputs. Prints; never fails."""
+def load_triton_check():
+    """tools/gpu_triton_check.py as a module (its prologue cases, inputs and timing)."""
     spec = importlib.util.spec_from_file_location("gpu_triton_check", ROOT / "tools" / "gpu_triton_check.py")
     tc = importlib.util.module_from_spec(spec)
     sys.modules["gpu_triton_check"] = tc
     spec.loader.exec_module(tc)
+    return tc
+
+
+def prologue_timed_calls(pc, inp, forward, backward) -> list:
+    """One call per input set of a gpu_triton_check prologue case: forward(args), then
+    backward(args, *output_grads) for the training cases."""
+    if pc.backward:
+        return [lambda a=a, g=g: (forward(a), backward(a, *g)) for a, g in inp.sets]
+    return [lambda a=a: forward(a) for a, _ in inp.sets]
+
+
+def prologue_timing(rn: Runner) -> None:
+    """GPU time of the CUDA prologue kernels on tools/gpu_triton_check.py's prologue cases (its
+    inputs, its CUDA-graph timing), against a same-run copy of the bytes that must move and the
+    Triton kernel on the same inputs. Prints; never fails."""
+    tc = load_triton_check()
     from rope_ops_backends.triton_backend import prologue as tp
 
     print("\nprologue timing, us per call (% of copy: a same-bytes copy's time / the call's)")
@@ -1106,16 +1120,10 @@ def prologue_timing(rn: Runner) -> None:
         if pc.angles != "table":
             continue  # mRoPE: not a CUDA kernel
         inp = tc.PrologueInputs(pc, tc.prologue_n_sets(pc))
-
-        def fns(forward, backward):
-            if pc.backward:
-                return [lambda a=a, g=g: (forward(a), backward(a, *g)) for a, g in inp.sets]
-            return [lambda a=a: forward(a) for a, _ in inp.sets]
-
         copy = tc.copy_us(pc.data_bytes())
-        cuda_us = tc.graph_us(fns(rn.module.prologue, rn.module.prologue_backward))
+        cuda_us = tc.graph_us(prologue_timed_calls(pc, inp, rn.module.prologue, rn.module.prologue_backward))
         try:
-            triton = f"{tc.graph_us(fns(tp.run_prologue, tp.run_prologue_backward)):.2f}"
+            triton = f"{tc.graph_us(prologue_timed_calls(pc, inp, tp.run_prologue, tp.run_prologue_backward)):.2f}"
         except Exception as e:  # Triton missing or failing is a note here
             triton = f"{type(e).__name__}"
         print(f"  {pc.name}: cuda {cuda_us:.2f} ({100 * copy / cuda_us:.1f} % of copy), triton {triton}, "
