@@ -4,7 +4,8 @@ The backend is CudaBackend with its extension module replaced by the same module
 tensors over the host emulation of the kernels (tests/_cuda_tools.py, tests/csrc/): the real
 KernelArgs handling, output allocation, kernel choice, bound launchers and per-thread kernel code.
 Everything else is the public path: rope_ops.apply's validation, selection, autograd (backward =
-inverse rotation of the output gradients), in place, packed views, torch.compile. float64 is not a
+inverse rotation of the output gradients), in place, packed views, torch.compile; and
+rope_ops.qkv_prologue's cases through the extension's prologue functions. float64 is not a
 CUDA-backend dtype, and the variants it does not declare are refused: those cases are skipped.
 
 On a GPU machine run the same suite for real:
