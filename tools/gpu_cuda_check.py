@@ -753,9 +753,6 @@ def pdl_chain(rn: Runner):
 
 
 # ------------------------------------------------------------------------------------------------
-
-
-# ------------------------------------------------------------------------------------------------
 # The fused prologue (rope_ops.qkv_prologue): module.prologue / module.prologue_backward, each
 # case against the float64 reference (prologue_reference) and against rope_ops' float32 torch ops
 # (prologue_forward_torch: the same math, so within one rounding), caches and slots included.
@@ -768,9 +765,9 @@ def _fp8():
 def prologue_call(rn: Runner, gen, *, dtype, style, thd, D, r, Hq, Hk, T=13, B=2, S=7, extra=0,
                   q_norm=True, k_norm=True, offset=0.0, rotate=True, pos_kind="i64", inplace=False,
                   cache=None, slot_values=None, weight_dtype=torch.float32, table_rows=64):
-    """(PrologueArgs with outputs allocated, inv_freq, reference positions, slots as given).
-    cache: None, "same" or "fp8"; slot_values: the slots to write (any int64 values) or None
-    (a random permutation with -1 for a few tokens)."""
+    """(PrologueArgs with outputs allocated, inv_freq, the reference's positions). cache: None,
+    "same" or "fp8"; slot_values: the slots to write (any int values) or None (a random
+    permutation with -1 for every fourth token)."""
     from rope_ops.backend import PrologueArgs
 
     lead = (T,) if thd else (B, S)
@@ -1130,6 +1127,9 @@ def prologue_timing(rn: Runner) -> None:
               f"copy {copy:.2f}", flush=True)
         del inp
         torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------
 
 
 def main() -> int:
