@@ -75,6 +75,10 @@ for cu in "$here"/*.cu; do
             else if (kern ~ /rope_flat_(split_)?kernel/) n = split("ld.global.v4 st.global.v4 " pos_cs, need, " ")
             else if (kern ~ /rope_lean_kernel/) n = split("ld.global.v4 st.global.v4 " pos_cs, need, " ")
             else if (kern ~ /rope_rows_kernel/) n = split("ld.global.v4 st.global.cs.v4 " pos_cs, need, " ")
+            # prologue kernels: template <T, NEOX, VB, U, Angles>; VB 16 ("Li16E") moves 16-byte
+            # vectors of qkv and its outputs; every one loads positions (and the forward slots)
+            else if (kern ~ /rope_prologue(_backward)?_kernel.*ELi16ELi[0-9]+E/) n = split("ld.global.v4 st.global.v4 ld.global.nc.s32 ld.global.nc.s64", need, " ")
+            else if (kern ~ /rope_prologue(_backward)?_kernel/) n = split("ld.global.nc.s32 ld.global.nc.s64", need, " ")
             else if (kern ~ /rope_generic_kernel/) n = split("ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.f32 st.global", need, " ")
             else n = 0
             for (i = 1; i <= n; i++) if (index(body, need[i]) == 0) { print "missing " need[i] " in " kern; bad = 1 }

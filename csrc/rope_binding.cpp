@@ -12,6 +12,7 @@
 #include <atomic>
 #include <mutex>
 
+#include "prologue_torch.h"
 #include "rope_torch.h"
 
 namespace {
@@ -78,4 +79,7 @@ struct CudaPlatform {
 #define TORCH_EXTENSION_NAME rope_ops_cuda_ext
 #endif
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { rope_torch::define_module<CudaPlatform>(m); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  rope_torch::define_module<CudaPlatform>(m);
+  rope_torch::define_prologue<CudaPlatform>(m);
+}

@@ -2,20 +2,22 @@
 // kernels are in kernel_*.cuh, which kernel runs a call in policy.h. Needs only the CUDA runtime headers, so CI compiles it
 // with plain nvcc (csrc/check_compile.sh). Do not compile with --use_fast_math.
 #include "dispatch.h"
+#include "kernel_prologue.cuh"
 
 namespace rope_ops_cuda {
 namespace {
 
-// Launches `kernel` on `stream`; with pdl, with programmatic stream serialization (sm_90+: the
-// grid may be scheduled before the previous kernel in the stream has finished; the kernels wait
-// for it in wait_for_previous_grid before touching memory).
+// Launches `kernel` on `stream` over `grid` blocks with `smem` bytes of dynamic shared memory;
+// with pdl, with programmatic stream serialization (sm_90+: the grid may be scheduled before the
+// previous kernel in the stream has finished; the kernels wait for it in wait_for_previous_grid
+// before touching memory).
 template <typename... Params, typename... Args>
-cudaError_t launch_kernel(void (*kernel)(Params...), int64_t blocks, int threads, bool pdl,
-                          cudaStream_t stream, Args... args) {
+cudaError_t launch_kernel_grid(void (*kernel)(Params...), dim3 grid, int threads, int smem, bool pdl,
+                               cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)blocks);
+  cfg.gridDim = grid;
   cfg.blockDim = dim3((unsigned)threads);
-  cfg.dynamicSmemBytes = 0;
+  cfg.dynamicSmemBytes = (size_t)smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -24,6 +26,12 @@ cudaError_t launch_kernel(void (*kernel)(Params...), int64_t blocks, int threads
   cfg.numAttrs = pdl ? 1 : 0;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
   return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), int64_t blocks, int threads, bool pdl,
+                          cudaStream_t stream, Args... args) {
+  return launch_kernel_grid(kernel, dim3((unsigned)blocks), threads, 0, pdl, stream, args...);
 }
 
 // The executor of dispatch.h that launches the kernels.
@@ -63,6 +71,19 @@ struct Launcher {
     return launch_kernel(rope_generic_kernel<T, NEOX, A>, f.blocks, kGenericThreads, pdl, stream, p,
                          (long long)f.per_head, (long long)f.total);
   }
+
+  template <typename T, bool NEOX, int VB, int U, class A>
+  cudaError_t prologue(const RopePrologueParams& p, const ProloguePlan& plan) {
+    return launch_kernel_grid(rope_prologue_kernel<T, NEOX, VB, U, A>,
+                              dim3((unsigned)plan.blocks, (unsigned)plan.splits), kPrologueThreads, 0,
+                              pdl, stream, p, plan.sh);
+  }
+
+  template <typename T, bool NEOX, int VB, int U, class A>
+  cudaError_t prologue_backward(const RopePrologueParams& p, const ProloguePlan& plan) {
+    return launch_kernel_grid(rope_prologue_backward_kernel<T, NEOX, VB, U, A>, dim3((unsigned)plan.blocks),
+                              kPrologueThreads, plan.smem_bytes, pdl, stream, p, plan.sh);
+  }
 };
 
 inline Launcher make_executor(cudaStream_t stream, bool pdl) { return Launcher{stream, pdl}; }
@@ -71,6 +92,7 @@ inline Launcher make_executor(cudaStream_t stream, bool pdl) { return Launcher{s
 }  // namespace rope_ops_cuda
 
 #include "rope_c_api.h"
+#include "prologue_c_api.h"
 
 extern "C" int rope_kernel_arch(void) {
   using namespace rope_ops_cuda;

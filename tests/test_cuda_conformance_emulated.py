@@ -4,7 +4,8 @@ The backend is CudaBackend with its extension module replaced by the same module
 tensors over the host emulation of the kernels (tests/_cuda_tools.py, tests/csrc/): the real
 KernelArgs handling, output allocation, kernel choice, bound launchers and per-thread kernel code.
 Everything else is the public path: rope_ops.apply's validation, selection, autograd (backward =
-inverse rotation of the output gradients), in place, packed views, torch.compile. float64 is not a
+inverse rotation of the output gradients), in place, packed views, torch.compile; and
+rope_ops.qkv_prologue's cases through the extension's prologue functions. float64 is not a
 CUDA-backend dtype, and the variants it does not declare are refused: those cases are skipped.
 
 On a GPU machine run the same suite for real:
@@ -19,7 +20,7 @@ from _cuda_tools import ext  # noqa: F401  (fixture)
 
 from rope_ops import registry
 from rope_ops.testing import RopeConformance
-from rope_ops_backends.cuda_backend import CudaBackend
+from rope_ops_backends.cuda_backend import CudaBackend, run_prologue, run_prologue_backward
 from rope_ops_backends.torch_backend import TorchBackend
 
 
@@ -39,6 +40,14 @@ class CpuEmulatedCudaBackend(CudaBackend):
     def run(self, args):
         self.calls += 1
         return self.module.run(args)
+
+    def run_prologue(self, args):
+        self.calls += 1
+        run_prologue(self.module, args)
+
+    def run_prologue_backward(self, args, grad_q, grad_k, grad_v):
+        self.calls += 1
+        return run_prologue_backward(self.module, args, grad_q, grad_k, grad_v)
 
     def bind(self, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved, inverse):
         if torch.compiler.is_compiling():

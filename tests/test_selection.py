@@ -196,3 +196,39 @@ def test_environment_is_read_through_public_apis(monkeypatch):
             "try:\n    rope_ops.apply(q, None, 0)\nexcept rope_ops.BackendError as e:\n    print('backend error')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, env=env_bytes)
     assert out.stdout.decode().strip() == "backend error", out.stderr.decode()[-500:]
+
+
+def test_prologue_calls_the_cuda_kernels_refuse_go_to_triton(monkeypatch):
+    """On a CUDA device the CUDA backend takes prologue calls with position tables (caches of the
+    input's dtype or float8 included); mRoPE and per-token tables go to Triton, with the CUDA
+    backend's reason."""
+    from rope_ops.backend import RopeCall
+    from rope_ops_backends.cuda_backend import CudaBackend
+    from rope_ops_backends.triton_backend import TritonBackend
+
+    class Cuda(CudaBackend):
+        def availability(self):
+            return []
+
+    class Triton(TritonBackend):
+        def availability(self):
+            return []
+
+        def supports(self, call):
+            return Backend.supports(self, call)
+
+    monkeypatch.delenv("ROPE_OPS_BACKEND", raising=False)
+
+    def call(angles="table", cache=None, needs_grad=False):
+        return RopeCall("cuda", torch.bfloat16, "thd", "neox", 128, 128, 32, 8, False, torch.int64,
+                        False, needs_grad, True, angles, torch.float32, "prologue", cache)
+
+    with registry.override({"cuda": Cuda(), "triton": Triton(), "torch": TorchBackend()}):
+        assert _select.select(call()).name == "cuda"
+        assert _select.select(call(needs_grad=True)).name == "cuda"
+        assert _select.select(call(cache=torch.bfloat16)).name == "cuda"
+        assert _select.select(call(cache=torch.float8_e4m3fn)).name == "cuda"
+        for angles in ("mrope", "token"):
+            assert _select.select(call(angles)).name == "triton"
+            assert any("prologue kernels read position tables only" in r
+                       for r in Cuda().supports(call(angles)))

@@ -11,6 +11,8 @@ Run on a CUDA machine from the repository root (no install needed):
     python tools/gpu_cuda_check.py --coverage    # only the pass that reaches every kernel
                                                  # (short enough for compute-sanitizer)
     python tools/gpu_cuda_check.py --choice-only # each case with the policy's choice only
+    python tools/gpu_cuda_check.py --prologue-only  # the fused prologue's kernels only
+    python tools/gpu_cuda_check.py --prologue-only --prologue-timing  # and their GPU time
 
 Timing is the benchmark's (``python -m rope_ops bench``). Exit status 0 only when the build and
 every case pass. tests/test_cuda_host_emulation.py runs the same cases on the CPU through the host
@@ -751,6 +753,383 @@ def pdl_chain(rn: Runner):
 
 
 # ------------------------------------------------------------------------------------------------
+# The fused prologue (rope_ops.qkv_prologue): module.prologue / module.prologue_backward, each
+# case against the float64 reference (prologue_reference) and against rope_ops' float32 torch ops
+# (prologue_forward_torch: the same math, so within one rounding), caches and slots included.
+
+
+def _fp8():
+    return getattr(torch, "float8_e4m3fn", None)
+
+
+def prologue_call(rn: Runner, gen, *, dtype, style, thd, D, r, Hq, Hk, T=13, B=2, S=7, extra=0,
+                  q_norm=True, k_norm=True, offset=0.0, rotate=True, pos_kind="i64", inplace=False,
+                  cache=None, slot_values=None, weight_dtype=torch.float32, table_rows=64):
+    """(PrologueArgs with outputs allocated, inv_freq, the reference's positions). cache: None,
+    "same" or "fp8"; slot_values: the slots to write (any int values) or None (a random
+    permutation with -1 for every fourth token)."""
+    from rope_ops.backend import PrologueArgs
+
+    lead = (T,) if thd else (B, S)
+    width = (Hq + 2 * Hk) * D
+    buf = torch.randn(*lead, width + extra, generator=gen).to(dtype).to(rn.device)
+    qkv = buf[..., :width]
+    if not rotate:
+        r = D
+    inv = None
+    if rotate:
+        inv, cos, sin, turns = tables(rn, r, 10000.0, table_rows)
+    else:
+        cos = sin = torch.empty(0, 1, device=rn.device)
+        turns = None
+    pos, pos_offset, ref_pos = None, 0, None
+    if rotate:
+        if pos_kind == "offset":
+            pos_offset = table_rows - 3  # the last tokens past the table
+            ref_pos = pos_offset
+        else:
+            p = torch.randint(0, table_rows, lead, generator=gen, dtype=torch.int64)
+            flat = p.view(-1)
+            flat[0] = table_rows  # past the table: computed from freq_turns
+            flat[-1] = -3
+            if flat.numel() > 2:
+                flat[1] = 40000
+            pos = p.to(torch.int32 if pos_kind == "i32" else torch.int64).to(rn.device)
+            ref_pos = p
+    weights = []
+    for on in (q_norm, k_norm):
+        w = None
+        if on:
+            w = (torch.randn(D, generator=gen) * 0.5 + (0.0 if offset else 1.0)).to(weight_dtype).to(rn.device)
+        weights.append(w)
+    outs = (None, None, None)
+    if not inplace:
+        outs = tuple(torch.empty(*lead, h, D, dtype=dtype, device=rn.device) for h in (Hq, Hk, Hk))
+    k_cache = v_cache = slots = None
+    k_scale = v_scale = 1.0
+    if cache is not None:
+        n_slots = 2 * math.prod(lead) + 3
+        cache_dtype = _fp8() if cache == "fp8" else dtype
+        # views of the first n_slots rows of larger buffers: the rows after them must stay as they
+        # are (nothing written out of bounds, whatever the slot values)
+        k_cache = torch.randn(n_slots + 2, Hk, D, generator=gen).to(cache_dtype).to(rn.device)[:n_slots]
+        v_cache = torch.randn(n_slots + 2, Hk, D, generator=gen).to(cache_dtype).to(rn.device)[:n_slots]
+        if slot_values is None:
+            sl = torch.randperm(n_slots, generator=gen)[: math.prod(lead)]
+            sl[:: 4] = -1
+            slot_values = sl.view(lead)
+        slots = slot_values.to(rn.device)
+        if cache == "fp8":
+            k_scale, v_scale = 0.5, 2.0
+    args = PrologueArgs(qkv, *outs, pos, pos_offset, cos, sin, turns, 1.0, "thd" if thd else "bshd",
+                        Hq, Hk, D, r, style == "gptj", rotate, weights[0], weights[1], 1e-6, offset,
+                        inplace, k_cache, v_cache, slots, k_scale, v_scale)
+    return args, inv, ref_pos
+
+
+def _clone_storage(t):
+    """A copy of t over a copy of its whole storage (same strides, offset and surroundings)."""
+    if t is None:
+        return None
+    n = t.untyped_storage().nbytes() // t.element_size()
+    base = t.as_strided((n,), (1,), 0).clone()
+    return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _storage_bytes(t):
+    n = t.untyped_storage().nbytes() // t.element_size()
+    return t.as_strided((n,), (1,), 0).cpu().view(torch.uint8)
+
+
+def _copy_args(args):
+    """args over copies of everything the forward writes (qkv, outputs, caches)."""
+    def cp(t):
+        return None if t is None else t.clone()
+    qkv = _clone_storage(args.qkv) if args.inplace else args.qkv
+    return args._replace(qkv=qkv, q_out=cp(args.q_out), k_out=cp(args.k_out), v_out=cp(args.v_out),
+                         k_cache=_clone_storage(args.k_cache), v_cache=_clone_storage(args.v_cache))
+
+
+def _views(args):
+    """(q, k, v) views of the forward's results."""
+    if args.inplace:
+        heads = args.qkv.unflatten(-1, (args.num_q_heads + 2 * args.num_kv_heads, args.head_dim))
+        hq, hk = args.num_q_heads, args.num_kv_heads
+        return heads[..., :hq, :], heads[..., hq:hq + hk, :], heads[..., hq + hk:, :]
+    return args.q_out, args.k_out, args.v_out
+
+
+def _close(name, got, want, dtype) -> list[str]:
+    """got within one rounding of `dtype` (plus float32 noise) of want; NaN where want is NaN."""
+    from rope_ops.testing.tolerances import ulp
+
+    g = got.detach().to("cpu", torch.float64)
+    w = want.detach().to("cpu", torch.float64)
+    if not torch.equal(torch.isnan(g), torch.isnan(w)):
+        return [f"{name}: NaN in different places"]
+    g, w = g.nan_to_num(0.0), w.nan_to_num(0.0)
+    if dtype == _fp8():  # e4m3: 3 mantissa bits, subnormal step 2^-9
+        bound = w.abs() * 2.0 ** -3 + 2.0 ** -9
+    else:
+        bound = 2 * ulp(w, dtype) + 2e-5 * (1.0 + w.abs())
+    bad = (g - w).abs() > bound
+    if bad.any():
+        i = bad.nonzero()[0].tolist()
+        return [f"{name}: {int(bad.sum())} of {bad.numel()} elements differ, e.g. at {i}: "
+                f"{g[tuple(i)].item()} vs {w[tuple(i)].item()}"]
+    return []
+
+
+def prologue_forward_problems(rn: Runner, name, args, inv, ref_pos) -> list[str]:
+    """The kernel's forward against the float64 reference and rope_ops' torch ops."""
+    from rope_ops._reference import prologue_reference
+    from rope_ops.backend import prologue_forward_torch
+
+    got_args, want_args = _copy_args(args), _copy_args(args)
+    before = got_args.qkv.clone()
+    if not rn.module.prologue(got_args):
+        return [f"{name}: the kernels did not take the call"]
+    rn.sync()
+    prologue_forward_torch(want_args)
+    problems = []
+    got, want = _views(got_args), _views(want_args)
+    dtype = args.qkv.dtype
+    for part, g, w in zip("qkv", got, want):
+        if part == "v":
+            if not torch.equal(bits(g.cpu()), bits(w.cpu())):
+                problems.append(f"{name}: v differs from the input")
+        else:
+            problems += _close(f"{name} {part}", g, w, dtype)
+    if not args.inplace and not torch.equal(bits(got_args.qkv.cpu()), bits(before.cpu())):
+        problems.append(f"{name}: qkv changed by an out-of-place call")
+    if args.inplace:  # the storage beyond the q and k rows (v, row padding) untouched
+        q = got_args.qkv
+        n = q.untyped_storage().nbytes() // q.element_size()
+        index = torch.arange(n).as_strided(q.shape, q.stride(), q.storage_offset())
+        written = torch.zeros(n, dtype=torch.bool)
+        written[index[..., :(args.num_q_heads + args.num_kv_heads) * args.head_dim].reshape(-1)] = True
+        after = q.as_strided((n,), (1,), 0).cpu()
+        start = args.qkv.as_strided((n,), (1,), 0).cpu()  # args ran on copies: the input
+        if not torch.equal(bits(after[~written]), bits(start[~written])):
+            problems.append(f"{name}: in place wrote outside the q and k rows")
+    if args.k_cache is not None:
+        cache_dtype = args.k_cache.dtype
+        for label, g, w in (("k_cache", got_args.k_cache, want_args.k_cache),
+                            ("v_cache", got_args.v_cache, want_args.v_cache)):
+            problems += _close(f"{name} {label}", g.float(), w.float(), cache_dtype)
+            outside = g.numel() * g.element_size()  # the buffer's rows after the cache's view
+            if not torch.equal(_storage_bytes(g)[outside:], _storage_bytes(args.k_cache if label == "k_cache"
+                                                                            else args.v_cache)[outside:]):
+                problems.append(f"{name}: {label} written outside its slots")
+            if cache_dtype != _fp8() and label == "v_cache" and not torch.equal(bits(g.cpu()), bits(w.cpu())):
+                problems.append(f"{name}: v_cache differs from v")
+    # float64 reference of the q and k outputs (positions within +-2^16: a float64 product is exact
+    # enough)
+    if args.rotate and ref_pos is not None and not isinstance(ref_pos, int):
+        ref_pos = ref_pos.cpu()
+    ref = prologue_reference(before if args.inplace else args.qkv, ref_pos, num_q_heads=args.num_q_heads,
+                             num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                             q_weight=args.q_weight, k_weight=args.k_weight, eps=args.eps,
+                             weight_offset=args.weight_offset, rotate=args.rotate,
+                             rotary_dim=args.rotary_dim, style="gptj" if args.interleaved else "neox",
+                             inv_freq=inv)
+    normalised = prologue_reference(before if args.inplace else args.qkv, None,
+                                    num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads,
+                                    head_dim=args.head_dim, q_weight=args.q_weight,
+                                    k_weight=args.k_weight, eps=args.eps,
+                                    weight_offset=args.weight_offset, rotate=False,
+                                    rotary_dim=args.rotary_dim, style="neox")
+    for part, g, rf, x in zip("qk", got[:2], ref[:2], normalised[:2]):
+        try:
+            assert_rope_close(g, rf, x, rotary_dim=args.rotary_dim if args.rotate else 0,
+                              style="gptj" if args.interleaved else "neox", what=f"{name} {part}",
+                              passthrough_exact=False)
+        except AssertionError as e:
+            problems.append(str(e)[:300])
+    return problems
+
+
+def prologue_backward_problems(rn: Runner, name, args, inv, ref_pos, which=(True, True, True)) -> list[str]:
+    """The kernel's backward against float64 autograd of the reference; its weight gradients
+    the same bits twice (deterministic)."""
+    from rope_ops._reference import prologue_reference
+
+    gen = torch.Generator().manual_seed(7)
+    shapes = [args.qkv.shape[:-1] + (h, args.head_dim)
+              for h in (args.num_q_heads, args.num_kv_heads, args.num_kv_heads)]
+    grads = [torch.randn(sh, generator=gen).to(args.qkv.dtype).to(rn.device) if on else None
+             for sh, on in zip(shapes, which)]
+    out = rn.module.prologue_backward(args, *grads)
+    if out is None:
+        return [f"{name}: the backward kernels did not take the call"]
+    again = rn.module.prologue_backward(args, *grads)
+    rn.sync()
+    grad_qkv, gqw, gkw = out
+    problems = []
+    for label, a, b in (("q_weight", gqw, again[1]), ("k_weight", gkw, again[2]), ("qkv", grad_qkv, again[0])):
+        if (a is None) != (b is None) or (a is not None and not torch.equal(a.cpu(), b.cpu())):
+            problems.append(f"{name}: grad of {label} differs between two runs")
+    x = args.qkv.detach().to("cpu", torch.float64).requires_grad_(True)
+    ws = [None if w is None else w.detach().to("cpu", torch.float64).requires_grad_(True)
+          for w in (args.q_weight, args.k_weight)]
+    if args.rotate and ref_pos is not None and not isinstance(ref_pos, int):
+        ref_pos = ref_pos.cpu()
+    ref = prologue_reference(x, ref_pos, num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads,
+                             head_dim=args.head_dim, q_weight=ws[0], k_weight=ws[1], eps=args.eps,
+                             weight_offset=args.weight_offset, rotate=args.rotate,
+                             rotary_dim=args.rotary_dim, style="gptj" if args.interleaved else "neox",
+                             inv_freq=inv)
+    outs = [(o, g.to("cpu", torch.float64)) for o, g in zip(ref, grads) if g is not None]
+    if outs:
+        torch.autograd.backward([o for o, _ in outs], [g for _, g in outs])
+
+    def grad_close(label, got, want, dtype, rel):
+        from rope_ops.testing.tolerances import ulp
+
+        want = torch.zeros_like(x if label == "qkv" else ws[0] if ws[0] is not None else ws[1]) \
+            if want is None else want
+        g64, w64 = got.detach().to("cpu", torch.float64), want.detach()
+        scale = w64.abs().max().clamp_min(1.0)
+        bound = rel * scale + ulp(w64, dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32)
+        bad = (g64 - w64).abs() > bound
+        if bad.any():
+            return [f"{name}: grad of {label}: {int(bad.sum())} of {bad.numel()} out of bounds, worst "
+                    f"{(g64 - w64).abs().max().item():.3g} (scale {scale.item():.3g})"]
+        return []
+
+    problems += grad_close("qkv", grad_qkv, x.grad, args.qkv.dtype, 1e-5)
+    for label, got, w in (("q_weight", gqw, ws[0]), ("k_weight", gkw, ws[1])):
+        if (got is None) != (w is None):
+            problems.append(f"{name}: grad of {label} given where the weight is not (or missing)")
+        elif w is not None:
+            problems += grad_close(label, got, w.grad, torch.float32, 1e-4)
+    return problems
+
+
+# (D, rotary_dim, row padding; without rotation the kernels run as NeoX, so only the 64 and 80
+# shapes, whose kernels others reach too, alternate it off): whole 16-byte rows (vectors, one unit per lane), partial rotary,
+# a GPT-NeoX-20B-like rotary 24 in rows padded by 3 elements (single elements, 4 units per lane),
+# an odd head_dim (single elements), a wide head (vectors, 4 units per lane).
+PROLOGUE_DIMS = ((128, 128, 8), (64, 32, 0), (80, 32, 0), (96, 24, 3), (17, 10, 0), (384, 128, 0))
+
+
+def prologue_cases(rn: Runner):
+    """The forward over dtypes, styles, head dims and the call's options, and the backward of
+    each shape; caches with random and invalid slots; float8 saturation and NaN."""
+    gen = torch.Generator().manual_seed(2026)
+    n = 0
+    for dtype in DTYPES:
+        for style in ("neox", "gptj"):
+            for D, r, extra in PROLOGUE_DIMS:
+                n += 1
+                opts = dict(thd=n % 2 == 0, extra=extra, q_norm=n % 4 != 1, k_norm=n % 5 != 2,
+                            offset=1.0 if n % 3 == 1 else 0.0, rotate=D != 64 or n % 2 == 0,
+                            pos_kind=("i64", "i32", "offset")[n % 3], inplace=n % 4 == 3,
+                            cache=(None, "same", "fp8")[n % 3] if _fp8() else None,
+                            weight_dtype=torch.bfloat16 if n % 6 == 5 else torch.float32)
+                Hq, Hk = (4, 2) if D < 256 else (2, 1)
+                name = (f"prologue {str(dtype)[6:]} {style} D{D} r{r} "
+                        + " ".join(f"{k}={v}" for k, v in opts.items() if v not in (None, False, 0, 0.0)))
+                args, inv, ref_pos = prologue_call(rn, gen, dtype=dtype, style=style, D=D, r=r,
+                                                   Hq=Hq, Hk=Hk, **opts)
+                rn.case(name, lambda: prologue_forward_problems(rn, name, args, inv, ref_pos))
+                bopts = dict(opts, cache=None, inplace=False, rotate=D != 80 or n % 2 == 1,
+                             q_norm=n % 3 != 2, k_norm=n % 4 != 0)
+                bargs, binv, bpos = prologue_call(rn, gen, dtype=dtype, style=style, D=D, r=r,
+                                                  Hq=Hq, Hk=Hk, **bopts)
+                which = (n % 5 != 1, n % 3 != 0, n % 4 != 1)
+                rn.case(name + " backward",
+                        lambda: prologue_backward_problems(rn, name + " backward", bargs, binv, bpos, which))
+    # a few tokens with many heads: a token's rows over several blocks
+    args, inv, ref_pos = prologue_call(rn, gen, dtype=torch.bfloat16, style="neox", thd=True, D=128,
+                                       r=128, Hq=64, Hk=8, T=2, cache="same")
+    rn.case("prologue decode split rows", lambda: prologue_forward_problems(rn, "decode", args, inv, ref_pos))
+    # slots anywhere in int64 / int32: only [0, num_slots) are written
+    for sdtype, extremes in ((torch.int64, (-1, -7, 1 << 40, -(1 << 62), (1 << 63) - 1)),
+                             (torch.int32, (-1, -(1 << 31), (1 << 31) - 1))):
+        for cache in ("same", "fp8") if _fp8() else ("same",):
+            T = 12
+            n_slots = 2 * T + 3
+            sl = torch.randperm(n_slots, generator=gen)[:T].to(torch.int64)
+            for i, v in enumerate(extremes + (n_slots, n_slots + 1)):
+                sl[i] = v
+            args, inv, ref_pos = prologue_call(rn, gen, dtype=torch.float16, style="gptj", thd=True,
+                                               D=64, r=64, Hq=2, Hk=2, T=T, cache=cache,
+                                               slot_values=sl.to(sdtype))
+            name = f"prologue slots {sdtype} {cache}"
+            rn.case(name, lambda: prologue_forward_problems(rn, name, args, inv, ref_pos))
+    if _fp8():  # saturation at +-448 and NaN in the float8 cache
+        args, inv, ref_pos = prologue_call(rn, gen, dtype=torch.float32, style="neox", thd=True, D=32,
+                                           r=32, Hq=1, Hk=1, T=6, cache="fp8", q_norm=False, k_norm=False)
+        v = args.qkv.unflatten(-1, (3, 32))[:, 2]
+        v[0, :4] = torch.tensor([1e6, -1e6, float("inf"), float("nan")])
+        v[1, :3] = torch.tensor([897.0, -895.9, 449.0])
+        args = args._replace(slots=torch.arange(6, device=rn.device))
+        rn.case("prologue fp8 saturation and NaN",
+                lambda: prologue_forward_problems(rn, "fp8 saturation", args, inv, ref_pos)
+                + _fp8_saturation_problems(rn, args))
+    # a head row of more than 128 units: the kernels refuse it (the backend then runs torch ops)
+    args, inv, ref_pos = prologue_call(rn, gen, dtype=torch.float32, style="neox", thd=True, D=300,
+                                       r=300, Hq=1, Hk=1, T=3)
+    rn.case("prologue refuses 300-element rows", lambda: [] if not rn.module.prologue(args) else
+            ["the kernels took a row of 300 single elements"])
+
+
+def _fp8_saturation_problems(rn: Runner, args) -> list[str]:
+    got = _copy_args(args)
+    rn.module.prologue(got)
+    rn.sync()
+    vals = got.v_cache[:2, 0, :4].float().cpu() * 2.0  # v_scale 2: the cache holds value / 2
+    # value / 2 saturates at 448 (inf too), NaN stays NaN; 449 / 2 rounds to 224
+    want = torch.tensor([[896.0, -896.0, 896.0], [896.0, -896.0, 448.0]])
+    if not torch.isnan(vals[0, 3]) or not torch.equal(vals[:, :3], want):
+        return [f"fp8 saturation: got {vals.tolist()}"]
+    return []
+
+
+
+def load_triton_check():
+    """tools/gpu_triton_check.py as a module (its prologue cases, inputs and timing)."""
+    spec = importlib.util.spec_from_file_location("gpu_triton_check", ROOT / "tools" / "gpu_triton_check.py")
+    tc = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_triton_check"] = tc
+    spec.loader.exec_module(tc)
+    return tc
+
+
+def prologue_timed_calls(pc, inp, forward, backward) -> list:
+    """One call per input set of a gpu_triton_check prologue case: forward(args), then
+    backward(args, *output_grads) for the training cases."""
+    if pc.backward:
+        return [lambda a=a, g=g: (forward(a), backward(a, *g)) for a, g in inp.sets]
+    return [lambda a=a: forward(a) for a, _ in inp.sets]
+
+
+def prologue_timing(rn: Runner) -> None:
+    """GPU time of the CUDA prologue kernels on tools/gpu_triton_check.py's prologue cases (its
+    inputs, its CUDA-graph timing), against a same-run copy of the bytes that must move and the
+    Triton kernel on the same inputs. Prints; never fails."""
+    tc = load_triton_check()
+    from rope_ops_backends.triton_backend import prologue as tp
+
+    print("\nprologue timing, us per call (% of copy: a same-bytes copy's time / the call's)")
+    for pc in tc.PROLOGUE_CASES:
+        if pc.angles != "table":
+            continue  # mRoPE: not a CUDA kernel
+        inp = tc.PrologueInputs(pc, tc.prologue_n_sets(pc))
+        copy = tc.copy_us(pc.data_bytes())
+        cuda_us = tc.graph_us(prologue_timed_calls(pc, inp, rn.module.prologue, rn.module.prologue_backward))
+        try:
+            triton = f"{tc.graph_us(prologue_timed_calls(pc, inp, tp.run_prologue, tp.run_prologue_backward)):.2f}"
+        except Exception as e:  # Triton missing or failing is a note here
+            triton = f"{type(e).__name__}"
+        print(f"  {pc.name}: cuda {cuda_us:.2f} ({100 * copy / cuda_us:.1f} % of copy), triton {triton}, "
+              f"copy {copy:.2f}", flush=True)
+        del inp
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------
 
 
 def main() -> int:
@@ -759,6 +1138,9 @@ def main() -> int:
                     help="only the calls that reach every kernel (for compute-sanitizer)")
     ap.add_argument("--choice-only", action="store_true",
                     help="each case with the policy's choice only, not every candidate")
+    ap.add_argument("--prologue-only", action="store_true", help="only the fused prologue's cases")
+    ap.add_argument("--prologue-timing", action="store_true",
+                    help="also time the prologue kernels against a copy and Triton")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every passing case")
     a = ap.parse_args()
     t_start = time.time()
@@ -776,8 +1158,12 @@ def main() -> int:
     print(f"extension ready in {time.time() - t0:.1f} s (cache {cb.cache_dir()})")
     rn = Runner(cb._module(), "cuda", every_candidate=not a.choice_only)
     rn.verbose = a.verbose
-    coverage(rn)
-    if not a.coverage:
+    if a.prologue_only:
+        prologue_cases(rn)
+    else:
+        coverage(rn)
+        prologue_cases(rn)
+    if not a.coverage and not a.prologue_only:
         accuracy(rn)
         alloc_outputs(rn)
         autograd_in_cpp(rn)
@@ -785,6 +1171,8 @@ def main() -> int:
         zero_tokens(rn)
         pdl_chain(rn)
         large_tensor(rn)
+    if a.prologue_timing:
+        prologue_timing(rn)
     print(f"\n{rn.count - rn.failed_cases}/{rn.count} cases passed, {len(rn.failures)} problems")
     print("policy's choices: " + ", ".join(f"{k} {v}" for k, v in sorted(rn.choices.items())))
     print(f"candidate configurations run: {len(rn.labels_run)}")

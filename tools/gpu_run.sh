@@ -23,6 +23,8 @@
 #   recheck     the torch.compile tests of the suite on cuda and triton, and the distributed
 #               checks (with Python tracebacks on crashes)
 #   host        tools/host_cost.py: host time per call of each way in (decode and training)
+#   prologue    tools/gpu_cuda_check.py --prologue-only --prologue-timing: the CUDA fused
+#               prologue's cases, then its GPU time against a same-bytes copy and Triton
 #   candidates  python -m rope_ops bench --candidates --providers cuda: every kernel
 #               configuration of every benchmark case timed next to the policy's choice
 #   bench       python -m rope_ops bench --matrix: W1-W5 and the public matrix, every provider
@@ -117,6 +119,11 @@ if has host; then
   step "host time per call"
   timeout "$(left)" python3 tools/host_cost.py --backend cuda 2>&1 | tee "$OUT/host_cost.txt"
   timeout "$(left)" python3 tools/host_cost.py --backend triton 2>&1 | tee -a "$OUT/host_cost.txt"
+fi
+if has prologue; then
+  step "CUDA fused prologue: cases and GPU time (against a copy and Triton)"
+  timeout "$(left)" python3 tools/gpu_cuda_check.py --prologue-only --prologue-timing 2>&1 | tee "$OUT/prologue_cuda.txt"
+  [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
 fi
 if has candidates; then
   step "bench --candidates (cuda)"

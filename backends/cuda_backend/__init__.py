@@ -11,6 +11,12 @@ newest one; ``$ROPE_OPS_CUDA_ARCH`` overrides, e.g. ``90`` or ``80;90``). Prebui
 ``run`` hands the whole ``KernelArgs`` to the extension, which reads its fields in C++. Which
 kernel runs is decided in C++ from the call and the device alone (csrc/policy.h).
 
+The fused prologue (rope_ops.qkv_prologue) runs csrc/kernel_prologue.cuh, forward and backward,
+for position tables (mRoPE and per-token caller tables are refused: selection sends them to
+another backend), with caches of qkv's dtype or float8 e4m3. Calls its kernels cannot take
+(head rows of more than 128 vectors or elements, outputs without stride 1 on head_dim) run
+rope_ops' torch ops.
+
 For benchmark tooling only (not API): ``kernel_candidates(args)`` lists every kernel
 configuration that can take a call, the policy's choice first, and ``run_with(args, candidate)``
 runs the call with one of them.
@@ -25,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from rope_ops.backend import Backend, KernelArgs
+from rope_ops.backend import (Backend, KernelArgs, PrologueArgs, RopeCall, prologue_backward_torch,
+                              prologue_forward_torch)
 
 EXT_NAME = "rope_ops_cuda_ext"
 SOURCES = ("rope_launch.cu", "rope_binding.cpp")
@@ -164,6 +171,9 @@ class CudaBackend(Backend):
     allocates_outputs = True  # run() allocates q_out / k_out in C++ when given None
     device_types = frozenset({"cuda"})
     dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    supports_prologue = True
+    prologue_cache_dtypes = frozenset(
+        {d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None})
 
     def availability(self) -> list[str]:
         """Why this process cannot run the CUDA kernels; builds the extension on first call.
@@ -187,6 +197,19 @@ class CudaBackend(Backend):
         out of place with args.q_out None, allocate the outputs and return (q_out, k_out)."""
         return _module().run(args)
 
+    def supports(self, call: RopeCall) -> list[str]:
+        reasons = super().supports(call)
+        if call.op == "prologue" and call.angles != "table":
+            reasons.append(f"the prologue kernels read position tables only (angles 'table'), "
+                           f"not {call.angles!r}")
+        return reasons
+
+    def run_prologue(self, args: PrologueArgs) -> None:
+        run_prologue(_module(), args)
+
+    def run_prologue_backward(self, args: PrologueArgs, grad_q, grad_k, grad_v):
+        return run_prologue_backward(_module(), args, grad_q, grad_k, grad_v)
+
     def bind(self, cos, sin, freq_turns, attention_factor, layout, rotary_dim, interleaved, inverse):
         """The C++ BoundRope: called with (q, k, pos, pos_offset); ``.guarded(q, k, pos)`` for
         repeats of inference calls, ``.with_grad(q, k, pos, pos_offset)`` for calls that need a
@@ -206,6 +229,22 @@ def _module():
         if module is None:
             raise RuntimeError("rope_ops cuda backend unavailable: " + "; ".join(reasons))
     return module
+
+
+def run_prologue(module, args: PrologueArgs) -> None:
+    """The prologue's forward through ``module`` (the extension); rope_ops' torch ops where its
+    kernels cannot take the call."""
+    if not module.prologue(args):
+        prologue_forward_torch(args)
+
+
+def run_prologue_backward(module, args: PrologueArgs, grad_q, grad_k, grad_v):
+    """(grad_qkv, grad of q_weight, grad of k_weight) through ``module``; the weight gradients are
+    the kernel's per-block partial sums added in a fixed order (deterministic)."""
+    out = module.prologue_backward(args, grad_q, grad_k, grad_v)
+    if out is None:
+        return prologue_backward_torch(args, grad_q, grad_k, grad_v)
+    return tuple(out)
 
 
 def kernel_candidates(args: KernelArgs) -> list[str]:

@@ -4,6 +4,7 @@
 // kernel choice and candidates, BoundRope, GuardedRope and the C++ autograd.
 #include <ATen/EmptyTensor.h>
 
+#include "prologue_torch.h"
 #include "rope_torch.h"
 
 namespace {
@@ -32,4 +33,7 @@ struct CpuPlatform {
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { rope_torch::define_module<CpuPlatform>(m); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  rope_torch::define_module<CpuPlatform>(m);
+  rope_torch::define_prologue<CpuPlatform>(m);
+}

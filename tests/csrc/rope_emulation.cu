@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "dispatch.h"
+#include "kernel_prologue.cuh"
 
 namespace rope_ops_cuda {
 namespace {
@@ -29,6 +30,21 @@ const char* dtype_name() {
 template <typename T, bool NEOX>
 void record(const char* family, const std::string& rest) {
   g_kernels_run.insert(std::string(family) + "<" + dtype_name<T>() + (NEOX ? ",neox" : ",gptj") + rest + ">");
+}
+
+// group_sum on 32 lanes' values: the same xor butterfly, every lane's partner read before any
+// lane adds (as shuffles exchange).
+void emulate_group_sum(float* v, int G) {
+  for (int off = G >> 1; off > 0; off >>= 1) {
+    float next[32];
+    for (int l = 0; l < 32; ++l) next[l] = v[l] + v[l ^ off];
+    for (int l = 0; l < 32; ++l) v[l] = next[l];
+  }
+}
+
+template <typename T, bool NEOX, int VB, int U>
+void record_prologue(const char* family) {
+  record<T, NEOX>(family, std::string(VB == 16 ? ",v16" : ",v1") + ",u" + std::to_string(U));
 }
 
 struct Emulator {
@@ -125,6 +141,77 @@ struct Emulator {
     for (long long g = 0; g < plan.total; ++g) generic_item<T, NEOX, A>(p, (long long)plan.per_head, g);
     return cudaSuccess;
   }
+
+  // rope_prologue_kernel, warp by warp, rows phase by phase around the group sums.
+  template <typename T, bool NEOX, int VB, int U, class A>
+  cudaError_t prologue(const RopePrologueParams& p, const ProloguePlan& plan) {
+    using Lane = PrologueLane<T, NEOX, VB, U, A>;
+    record_prologue<T, NEOX, VB, U>("prologue");
+    const PrologueShape& sh = plan.sh;
+    const int groups = kPrologueThreads >> sh.g_log2;
+    for (long long token = 0; token < plan.blocks; ++token)
+      for (int y = 0; y < plan.splits; ++y)
+        for (int w = 0; w < kPrologueThreads; w += 32) {
+          std::vector<Lane> lanes;
+          lanes.reserve(32);
+          for (int l = 0; l < 32; ++l) {
+            lanes.emplace_back(p, sh, token, y * groups, w + l);
+            lanes[l].load_token(p, sh);
+          }
+          for (int i = 0; i < sh.row_iters; ++i) {
+            float sums[32][Lane::ROWS];
+            for (int l = 0; l < 32; ++l) lanes[l].load_rows(p, sh, i, sums[l]);
+            for (int r = 0; r < Lane::ROWS; ++r) {
+              float part[32];
+              for (int l = 0; l < 32; ++l) part[l] = sums[l][r];
+              emulate_group_sum(part, sh.G);
+              for (int l = 0; l < 32; ++l) sums[l][r] = part[l];
+            }
+            for (int l = 0; l < 32; ++l) lanes[l].finish_rows(p, sh, sums[l]);
+          }
+        }
+    return cudaSuccess;
+  }
+
+  // rope_prologue_backward_kernel: each block's lanes over its tokens, then its partial sums.
+  template <typename T, bool NEOX, int VB, int U, class A>
+  cudaError_t prologue_backward(const RopePrologueParams& p, const ProloguePlan& plan) {
+    using Lane = PrologueGradLane<T, NEOX, VB, U, A>;
+    record_prologue<T, NEOX, VB, U>("prologue_backward");
+    const PrologueShape& sh = plan.sh;
+    const int groups = kPrologueThreads >> sh.g_log2;
+    const long long tokens = p.rope.B * p.rope.S;
+    std::vector<float> scratch((size_t)groups * p.rope.D);
+    for (long long bid = 0; bid < plan.blocks; ++bid) {
+      std::vector<Lane> lanes;
+      lanes.reserve(kPrologueThreads);
+      for (int t = 0; t < kPrologueThreads; ++t) lanes.emplace_back(sh, t);
+      for (long long token = bid; token < tokens; token += plan.blocks)
+        for (int w = 0; w < kPrologueThreads; w += 32) {
+          Lane* warp = &lanes[w];
+          for (int l = 0; l < 32; ++l) warp[l].load_token(p, sh, token);
+          for (int i = 0; i < sh.row_iters; ++i) {
+            float part[32];
+            for (int l = 0; l < 32; ++l) part[l] = warp[l].load_row(p, sh, i);
+            emulate_group_sum(part, sh.G);
+            for (int l = 0; l < 32; ++l) part[l] = warp[l].norm_row(p, sh, part[l]);
+            emulate_group_sum(part, sh.G);
+            for (int l = 0; l < 32; ++l) warp[l].finish_row(p, sh, part[l]);
+          }
+        }
+      if (p.q_weight_partials != nullptr) {
+        for (int t = 0; t < kPrologueThreads; ++t) lanes[t].template put_sums<true>(p, sh, scratch.data());
+        for (int t = 0; t < kPrologueThreads; ++t)
+          add_group_sums(scratch.data(), groups, p.rope.D, t, p.q_weight_partials + bid * p.rope.D);
+      }
+      if (p.k_weight_partials != nullptr) {
+        for (int t = 0; t < kPrologueThreads; ++t) lanes[t].template put_sums<false>(p, sh, scratch.data());
+        for (int t = 0; t < kPrologueThreads; ++t)
+          add_group_sums(scratch.data(), groups, p.rope.D, t, p.k_weight_partials + bid * p.rope.D);
+      }
+    }
+    return cudaSuccess;
+  }
 };
 
 inline Emulator make_executor(cudaStream_t, bool) { return Emulator{}; }
@@ -133,6 +220,7 @@ inline Emulator make_executor(cudaStream_t, bool) { return Emulator{}; }
 }  // namespace rope_ops_cuda
 
 #include "rope_c_api.h"
+#include "prologue_c_api.h"
 
 extern "C" int rope_kernel_arch(void) { return 90; }
 

@@ -1,0 +1,668 @@
+// The fused attention prologue (prologue.h): QKV split + per-head RMSNorm + rotation + KV-cache
+// write, forward and backward. A flat-family kernel: a group of G lanes (a power of two <= 32,
+// inside one warp) holds one head row, so a row's sum of squares is a shuffle reduction over the
+// group and no shared memory is needed (the backward uses it once per block, to add up the
+// weights' gradients).
+//
+// A row is cut into units: rotary units first (NeoX: the E-element vectors at i and R/2 + i, E
+// pairs; GPT-J: 2 NP contiguous elements, NP pairs), then pass-through vectors of E elements.
+// E = 16 / sizeof(T) (16-byte vectors) where every tensor, the rotary halves and the table reads
+// allow it, else 1 (single elements: any head_dim, any even rotary_dim, any alignment). Lane l of
+// a group owns units l, l + G, ... (up to U of them), the same units in every row it visits, so
+// its cos/sin (and the token's position and cache slot) are loaded once per token and reused for
+// all the token's rows. v rows are copied (and cached) through the same units.
+//
+// Forward grid: (tokens, splits), blocks of 128 threads; the 128 / G groups of a token's `splits`
+// blocks walk its rows (q, then k, then v: one launch for all of them and the cache write), two
+// rows at a time per lane where it holds one unit (both rows' loads in flight before the first
+// reduction waits on them).
+// Backward: blocks walk tokens (a grid of at most 8 per SM), lanes keep their weight-gradient
+// sums in registers, and each block writes one row of partial sums ([blocks, D], added up by the
+// caller in a fixed order: deterministic).
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include "angle_sources.cuh"
+#include "prologue.h"
+
+namespace rope_ops_cuda {
+namespace {
+
+constexpr int kPrologueThreads = 128;
+constexpr int kPrologueMaxUnits = 128;  // per row: 32 lanes x 4 units
+
+// What a launch's lanes need to know of the call's shape (host-computed).
+struct PrologueShape {
+  int G;             // lanes per row
+  int g_log2;
+  int n_rot;         // rotary units per row (0: no rotation)
+  int n_units;       // units per row
+  int n_rows;        // rows per token walked: q, k (and v when written or cached)
+  int group_stride;  // groups walking one token's rows
+  int row_iters;     // passes of a group over its rows (forward: rows_in_flight rows a pass)
+};
+
+// E elements of T from / to 16-byte vectors (VB 16) or single elements (VB sizeof(T)).
+template <typename T, int VB>
+struct Elems {
+  static constexpr int E = VB / (int)sizeof(T);
+  static ROPE_HD void load(const T* ptr, float* f) {
+    if constexpr (VB == 16) unpack16<T>(ld_data<HINT_PLAIN>(ptr), f);
+    else f[0] = to_f32(*ptr);
+  }
+  static ROPE_HD void store(T* ptr, const float* f) {
+    if constexpr (VB == 16) st_data<HINT_PLAIN>(ptr, pack16<T>(f));
+    else *ptr = from_f32<T>(f[0]);
+  }
+};
+
+// float8 e4m3 of x, saturating to +-448; NaN stays NaN (SPEC: float8 cache).
+ROPE_HD uint8_t e4m3_of(float x) {
+  return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+}
+
+// N values / scale as e4m3, one store of N bytes.
+template <int N>
+ROPE_HD void store_e4m3(uint8_t* ptr, const float* f, float scale) {
+  uint8_t b[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) b[j] = e4m3_of(f[j] / scale);
+  if constexpr (N == 8) *reinterpret_cast<uint2*>(ptr) = bit_cast_hd<uint2>(b);
+  else if constexpr (N == 4) *reinterpret_cast<uint32_t*>(ptr) = bit_cast_hd<uint32_t>(b);
+  else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) ptr[j] = b[j];
+  }
+}
+
+// N consecutive float32 weights (16-byte loads when N is a multiple of 4: the weights are
+// 16-byte aligned and N-element pieces start at multiples of N).
+template <int N>
+ROPE_HD void load_weights(const float* w, float* out) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < N; j += 4) {
+      const float4 v = ldg_ro(reinterpret_cast<const float4*>(w + j));
+      out[j] = v.x; out[j + 1] = v.y; out[j + 2] = v.z; out[j + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) out[j] = ldg_ro(w + j);
+  }
+}
+
+// A row's units: where their elements lie, and the per-unit math. Unit storage: W floats;
+// NeoX rotary [a (NP), b (NP)], GPT-J rotary [x0, y0, x1, y1, ...], pass-through [E values].
+template <typename T, bool NEOX, int VB>
+struct PrologueUnits {
+  using X = Elems<T, VB>;
+  static constexpr int E = X::E;
+  static constexpr int NP = NEOX ? E : (E >= 2 ? E / 2 : 1);  // pairs per rotary unit
+  static constexpr int W = 2 * NP;
+
+  // Calls f(element offset in the row, index in the unit's storage, elements) for each E-element
+  // vector of unit u.
+  template <class F>
+  static ROPE_HD void vectors(const PrologueShape& sh, int64_t R, int u, F&& f) {
+    if (u < sh.n_rot) {
+      if constexpr (NEOX) {
+        f((int64_t)u * NP, 0);
+        f((R >> 1) + (int64_t)u * NP, NP);
+      } else {
+#pragma unroll
+        for (int v = 0; v < W / E; ++v) f((int64_t)u * W + v * E, v * E);
+      }
+    } else {
+      f(R + (int64_t)(u - sh.n_rot) * E, 0);
+    }
+  }
+
+  static ROPE_HD void load(const T* row, const PrologueShape& sh, int64_t R, int u, float* x) {
+    vectors(sh, R, u, [&](int64_t off, int at) { X::load(row + off, x + at); });
+  }
+
+  static ROPE_HD void store(T* row, const PrologueShape& sh, int64_t R, int u, const float* x) {
+    vectors(sh, R, u, [&](int64_t off, int at) { X::store(row + off, x + at); });
+  }
+
+  static ROPE_HD void store_e4m3_unit(uint8_t* row, const PrologueShape& sh, int64_t R, int u,
+                                      const float* x, float scale) {
+    vectors(sh, R, u, [&](int64_t off, int at) { store_e4m3<E>(row + off, x + at, scale); });
+  }
+
+  // offset + w for the unit's elements; w float32, or of T (like_qkv: qkv's dtype, read as the
+  // data is).
+  static ROPE_HD void weights(const void* w, bool like_qkv, float offset, const PrologueShape& sh,
+                              int64_t R, int u, float* out) {
+    vectors(sh, R, u, [&](int64_t off, int at) {
+      float t[E];
+      if (like_qkv) X::load(static_cast<const T*>(w) + off, t);
+      else load_weights<E>(static_cast<const float*>(w) + off, t);
+#pragma unroll
+      for (int j = 0; j < E; ++j) out[at + j] = offset + t[j];
+    });
+  }
+
+  // Elements unit u holds.
+  static ROPE_HD int count(const PrologueShape& sh, int u) { return u < sh.n_rot ? W : E; }
+
+  // The rotation of a rotary unit by (c, s) (s already negated for the backward).
+  static ROPE_HD void rotate(float* x, const float* c, const float* s) {
+#pragma unroll
+    for (int j = 0; j < NP; ++j) {
+      const int ia = NEOX ? j : 2 * j;
+      const int ib = NEOX ? NP + j : 2 * j + 1;
+      const float a = x[ia], b = x[ib];
+      x[ia] = fmaf(a, c[j], -b * s[j]);
+      x[ib] = fmaf(b, c[j], a * s[j]);
+    }
+  }
+};
+
+// Rows a forward lane has in flight: two (their loads issued back to back, before either's
+// reduction) with one unit per lane, one with four (registers).
+constexpr int prologue_rows_in_flight(int units_per_lane) { return units_per_lane == 1 ? 2 : 1; }
+
+// The sum of v over the G lanes of each group (G a power of two: xor partners stay in the group).
+__device__ __forceinline__ float group_sum(float v, int G) {
+  for (int off = G >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// Kind of row `row` of a token: 0 q, 1 k, 2 v; its head index within that kind.
+ROPE_HD int row_kind(const RopePrologueParams& p, int row, int& head) {
+  if (row < p.Hq) { head = row; return 0; }
+  if (row < p.Hq + p.Hk) { head = row - (int)p.Hq; return 1; }
+  head = row - (int)(p.Hq + p.Hk);
+  return 2;
+}
+
+// One lane of the forward: a token's units l, l + G, ... of the rows its group walks.
+template <typename T, bool NEOX, int VB, int U, class A>
+struct PrologueLane {
+  using Units = PrologueUnits<T, NEOX, VB>;
+  static constexpr int NP = Units::NP, W = Units::W;
+  static constexpr int ROWS = prologue_rows_in_flight(U);
+
+  int64_t b, s;
+  int lane, group;   // lane in the group; the group's index among the token's groups
+  int64_t slot;      // the token's cache slot, -1: none
+  float c[U][NP], sn[U][NP];
+  float x[ROWS][U][W];
+  int row[ROWS];
+  bool active[ROWS];
+
+  ROPE_HD PrologueLane(const RopePrologueParams& p, const PrologueShape& sh, int64_t token,
+                       int first_group, int thread) {
+    b = token / p.rope.S;
+    s = token - b * p.rope.S;
+    lane = thread & (sh.G - 1);
+    group = first_group + (thread >> sh.g_log2);
+  }
+
+  ROPE_HD int unit(const PrologueShape& sh, int k) const { return lane + k * sh.G; }
+
+  // The token's position -> cos/sin of the lane's rotary units, and its cache slot.
+  ROPE_HD void load_token(const RopePrologueParams& p, const PrologueShape& sh) {
+    slot = -1;
+    if (p.k_cache != nullptr) {
+      const int64_t at = b * p.slots_stride_b + s * p.slots_stride_s;
+      const int64_t v = p.slots_kind == ROPE_POS_I32
+                            ? (int64_t)ldg_ro(static_cast<const int32_t*>(p.slots) + at)
+                            : (int64_t)ldg_ro(static_cast<const long long*>(p.slots) + at);
+      if (v >= 0 && v < p.num_slots) slot = v;  // any other value: skip, never an address
+    }
+    if (sh.n_rot == 0) return;
+    const typename A::Token tok = A::token(p.rope, b, s);
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int u = unit(sh, k);
+      if (u < sh.n_rot) A::template cos_sin<NP>(p.rope, tok, (long long)u * NP, c[k], sn[k]);
+    }
+  }
+
+  // Loads the rows of pass i of the group's walk (rows (i * ROWS + r) * group_stride + group);
+  // part[r]: the lane's part of row r's sum of squares.
+  ROPE_HD void load_rows(const RopePrologueParams& p, const PrologueShape& sh, int i, float* part) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      row[r] = group + (i * ROWS + r) * sh.group_stride;
+      active[r] = row[r] < sh.n_rows;
+      part[r] = 0.f;
+      if (!active[r]) continue;
+      const T* src = static_cast<const T*>(p.qkv) + b * p.qkv_stride_b + s * p.qkv_stride_s +
+                     (int64_t)row[r] * p.rope.D;
+#pragma unroll
+      for (int k = 0; k < U; ++k) {
+        const int u = unit(sh, k);
+        if (u >= sh.n_units) continue;
+        Units::load(src, sh, p.rope.R, u, x[r][k]);
+        const int n = Units::count(sh, u);
+#pragma unroll
+        for (int j = 0; j < W; ++j)
+          if (j < n) part[r] = fmaf(x[r][k][j], x[r][k][j], part[r]);
+      }
+    }
+  }
+
+  // The loaded rows' norm, rotation and stores; sum_sq[r]: row r's sum of squares.
+  ROPE_HD void finish_rows(const RopePrologueParams& p, const PrologueShape& sh, const float* sum_sq) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      if (active[r]) finish_row(p, sh, row[r], x[r], sum_sq[r]);
+  }
+
+  // Norm, rotation and stores of loaded row `r` (values v); `sum_sq` is its sum of squares.
+  ROPE_HD void finish_row(const RopePrologueParams& p, const PrologueShape& sh, int r, float (&v)[U][W],
+                          float sum_sq) {
+    int head;
+    const int kind = row_kind(p, r, head);
+    const int64_t R = p.rope.R;
+    if (kind < 2) {
+      const void* w = kind == 0 ? p.q_weight : p.k_weight;
+      if (w != nullptr) {
+        const float rstd = 1.0f / sqrtf(sum_sq / (float)p.rope.D + p.eps);
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+          const int u = unit(sh, k);
+          if (u >= sh.n_units) continue;
+          float wk[W];
+          Units::weights(w, p.weights_like_qkv != 0, p.weight_offset, sh, R, u, wk);
+#pragma unroll
+          for (int j = 0; j < W; ++j) v[k][j] = v[k][j] * rstd * wk[j];
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < U; ++k)
+        if (unit(sh, k) < sh.n_rot) Units::rotate(v[k], c[k], sn[k]);
+    }
+    if (kind < 2 || !p.inplace) {
+      T* dst = p.inplace ? static_cast<T*>(const_cast<void*>(p.qkv)) + b * p.qkv_stride_b +
+                               s * p.qkv_stride_s + (int64_t)r * p.rope.D
+                         : static_cast<T*>(p.out[kind]) + b * p.out_stride[kind][0] +
+                               s * p.out_stride[kind][1] + head * p.out_stride[kind][2];
+#pragma unroll
+      for (int k = 0; k < U; ++k) {
+        const int u = unit(sh, k);
+        if (u < sh.n_units) Units::store(dst, sh, R, u, v[k]);
+      }
+    }
+    if (kind > 0 && slot >= 0) {
+      const int64_t* st = kind == 1 ? p.k_cache_stride : p.v_cache_stride;
+      const int64_t at = slot * st[0] + head * st[1];
+      void* cache = kind == 1 ? p.k_cache : p.v_cache;
+#pragma unroll
+      for (int k = 0; k < U; ++k) {
+        const int u = unit(sh, k);
+        if (u >= sh.n_units) continue;
+        if (p.cache_fp8)
+          Units::store_e4m3_unit(static_cast<uint8_t*>(cache) + at, sh, R, u, v[k],
+                                 kind == 1 ? p.k_scale : p.v_scale);
+        else
+          Units::store(static_cast<T*>(cache) + at, sh, R, u, v[k]);
+      }
+    }
+  }
+};
+
+template <typename T, bool NEOX, int VB, int U, class A>
+__global__ void __launch_bounds__(kPrologueThreads)
+    rope_prologue_kernel(const RopePrologueParams p, const PrologueShape sh) {
+  PrologueLane<T, NEOX, VB, U, A> lane(p, sh, blockIdx.x, blockIdx.y * (kPrologueThreads >> sh.g_log2),
+                                       threadIdx.x);
+  wait_for_previous_grid();
+  lane.load_token(p, sh);
+  constexpr int ROWS = prologue_rows_in_flight(U);
+  for (int i = 0; i < sh.row_iters; ++i) {  // the same count for every lane: shuffles stay uniform
+    float sums[ROWS];
+    lane.load_rows(p, sh, i, sums);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) sums[r] = group_sum(sums[r], sh.G);
+    lane.finish_rows(p, sh, sums);
+  }
+}
+
+// One lane of the backward: like the forward's, over the tokens its block walks, with its
+// weight-gradient sums.
+template <typename T, bool NEOX, int VB, int U, class A>
+struct PrologueGradLane {
+  using Units = PrologueUnits<T, NEOX, VB>;
+  static constexpr int NP = Units::NP, W = Units::W;
+
+  int64_t b, s;
+  int lane, group;
+  float c[U][NP], sn[U][NP];
+  float g[U][W], n[U][W];
+  float q_sum[U][W], k_sum[U][W];  // this lane's sums of g * n, per weight element
+  int row, kind, head;
+  bool active, normed;
+  float rstd;
+
+  ROPE_HD PrologueGradLane(const PrologueShape& sh, int thread) {
+    lane = thread & (sh.G - 1);
+    group = thread >> sh.g_log2;
+#pragma unroll
+    for (int k = 0; k < U; ++k)
+#pragma unroll
+      for (int j = 0; j < W; ++j) q_sum[k][j] = k_sum[k][j] = 0.f;
+  }
+
+  ROPE_HD int unit(const PrologueShape& sh, int k) const { return lane + k * sh.G; }
+
+  ROPE_HD void load_token(const RopePrologueParams& p, const PrologueShape& sh, int64_t token) {
+    b = token / p.rope.S;
+    s = token - b * p.rope.S;
+    if (sh.n_rot == 0) return;
+    const typename A::Token tok = A::token(p.rope, b, s);
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int u = unit(sh, k);
+      if (u < sh.n_rot) A::template cos_sin<NP>(p.rope, tok, (long long)u * NP, c[k], sn[k]);
+    }
+  }
+
+  // Loads the output gradient of row i, rotated back (p.rope.inverse), and the input row where
+  // it is normalised; returns the lane's part of the input's sum of squares.
+  ROPE_HD float load_row(const RopePrologueParams& p, const PrologueShape& sh, int i) {
+    row = group + i * sh.group_stride;
+    active = row < sh.n_rows;
+    normed = false;
+    float sum = 0.f;
+    if (!active) return sum;
+    kind = row_kind(p, row, head);
+    const int64_t R = p.rope.R;
+    const T* gsrc = static_cast<const T*>(p.grad[kind]);
+    if (gsrc != nullptr)
+      gsrc += b * p.grad_stride[kind][0] + s * p.grad_stride[kind][1] + head * p.grad_stride[kind][2];
+    normed = kind < 2 && (kind == 0 ? p.q_weight : p.k_weight) != nullptr;
+    const T* xsrc = static_cast<const T*>(p.qkv) + b * p.qkv_stride_b + s * p.qkv_stride_s +
+                    (int64_t)row * p.rope.D;
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int u = unit(sh, k);
+      if (u >= sh.n_units) continue;
+      if (gsrc != nullptr) {
+        Units::load(gsrc, sh, R, u, g[k]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < W; ++j) g[k][j] = 0.f;
+      }
+      if (kind < 2 && u < sh.n_rot) Units::rotate(g[k], c[k], sn[k]);
+      if (normed) {
+        Units::load(xsrc, sh, R, u, n[k]);
+        const int cnt = Units::count(sh, u);
+#pragma unroll
+        for (int j = 0; j < W; ++j)
+          if (j < cnt) sum = fmaf(n[k][j], n[k][j], sum);
+      }
+    }
+    return sum;
+  }
+
+  // n = x * rstd, the weight-gradient sums, g = g * (offset + w); returns the lane's part of
+  // sum(g * n).
+  ROPE_HD float norm_row(const RopePrologueParams& p, const PrologueShape& sh, float sum_sq) {
+    float dot = 0.f;
+    if (!active || !normed) return dot;
+    rstd = 1.0f / sqrtf(sum_sq / (float)p.rope.D + p.eps);
+    const void* w = kind == 0 ? p.q_weight : p.k_weight;
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int u = unit(sh, k);
+      if (u >= sh.n_units) continue;
+      float wk[W];
+      Units::weights(w, p.weights_like_qkv != 0, p.weight_offset, sh, p.rope.R, u, wk);
+      const int cnt = Units::count(sh, u);
+#pragma unroll
+      for (int j = 0; j < W; ++j) {
+        if (j >= cnt) continue;
+        n[k][j] *= rstd;
+        if (kind == 0) q_sum[k][j] = fmaf(g[k][j], n[k][j], q_sum[k][j]);
+        else k_sum[k][j] = fmaf(g[k][j], n[k][j], k_sum[k][j]);
+        g[k][j] *= wk[j];
+        dot = fmaf(g[k][j], n[k][j], dot);
+      }
+    }
+    return dot;
+  }
+
+  // grad_x = rstd * (g - n * mean(g * n)) (normalised rows) or g, into grad_qkv.
+  ROPE_HD void finish_row(const RopePrologueParams& p, const PrologueShape& sh, float dot) {
+    if (!active) return;
+    const float mean = dot / (float)p.rope.D;
+    T* dst = static_cast<T*>(p.grad_qkv) + b * p.grad_qkv_stride_b + s * p.grad_qkv_stride_s +
+             (int64_t)row * p.rope.D;
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int u = unit(sh, k);
+      if (u >= sh.n_units) continue;
+      if (normed) {
+#pragma unroll
+        for (int j = 0; j < W; ++j) g[k][j] = rstd * (g[k][j] - n[k][j] * mean);
+      }
+      Units::store(dst, sh, p.rope.R, u, g[k]);
+    }
+  }
+
+  // The lane's sums of one weight (q's or k's) into its group's row of the block's [groups, D]
+  // scratch. (One template per weight: selecting the array at run time would put it in local
+  // memory.)
+  template <bool Q>
+  ROPE_HD void put_sums(const RopePrologueParams& p, const PrologueShape& sh, float* scratch) const {
+    float* dst = scratch + (int64_t)group * p.rope.D;
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int u = unit(sh, k);
+      if (u >= sh.n_units) continue;
+      Units::vectors(sh, p.rope.R, u, [&](int64_t off, int at) {
+#pragma unroll
+        for (int j = 0; j < Units::E; ++j) dst[off + j] = Q ? q_sum[k][at + j] : k_sum[k][at + j];
+      });
+    }
+  }
+};
+
+// Thread t's share of a block's partial sums: element d (t, t + 128, ...) of the block's row,
+// the groups' rows of the scratch added in order.
+ROPE_HD void add_group_sums(const float* scratch, int groups, int64_t D, int thread, float* out_row) {
+  for (int64_t d = thread; d < D; d += kPrologueThreads) {
+    float total = 0.f;
+    for (int gi = 0; gi < groups; ++gi) total += scratch[gi * D + d];
+    out_row[d] = total;
+  }
+}
+
+template <typename T, bool NEOX, int VB, int U, class A>
+__global__ void __launch_bounds__(kPrologueThreads)
+    rope_prologue_backward_kernel(const RopePrologueParams p, const PrologueShape sh) {
+  extern __shared__ float scratch[];  // [groups, D]: the block's weight-gradient sums
+  PrologueGradLane<T, NEOX, VB, U, A> lane(sh, threadIdx.x);
+  wait_for_previous_grid();
+  const int64_t tokens = p.rope.B * p.rope.S;
+  for (int64_t token = blockIdx.x; token < tokens; token += gridDim.x) {
+    lane.load_token(p, sh, token);
+    for (int i = 0; i < sh.row_iters; ++i) {
+      const float sum_sq = group_sum(lane.load_row(p, sh, i), sh.G);
+      const float dot = group_sum(lane.norm_row(p, sh, sum_sq), sh.G);
+      lane.finish_row(p, sh, dot);
+    }
+  }
+  const int groups = kPrologueThreads >> sh.g_log2;
+  if (p.q_weight_partials != nullptr) {
+    lane.template put_sums<true>(p, sh, scratch);
+    __syncthreads();
+    add_group_sums(scratch, groups, p.rope.D, threadIdx.x, p.q_weight_partials + blockIdx.x * p.rope.D);
+    __syncthreads();
+  }
+  if (p.k_weight_partials != nullptr) {
+    lane.template put_sums<false>(p, sh, scratch);
+    __syncthreads();
+    add_group_sums(scratch, groups, p.rope.D, threadIdx.x, p.k_weight_partials + blockIdx.x * p.rope.D);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host: the launch plan and the dispatch to the kernel templates.
+
+struct ProloguePlan {
+  PrologueShape sh;
+  bool vec16;         // 16-byte vectors (else single elements)
+  int units_per_lane; // U: 1 or 4
+  int64_t blocks;     // grid x: tokens (forward) or token-walking blocks (backward)
+  int splits;         // grid y (forward)
+  int smem_bytes;     // backward: [groups, D] floats
+};
+
+inline bool prologue_params_ok(const RopePrologueParams& p) {
+  const RopeParams& r = p.rope;
+  if (r.dtype < ROPE_F32 || r.dtype > ROPE_BF16) return false;
+  if (r.B < 0 || r.S < 0 || p.Hq < 1 || p.Hk < 1 || r.D < 1) return false;
+  if (r.R < 0 || (r.R & 1) || r.R > r.D) return false;
+  if ((p.Hq + 2 * p.Hk) * r.D >= (int64_t(1) << 31)) return false;
+  if (r.B == 0 || r.S == 0) return true;
+  if (p.qkv == nullptr) return false;
+  if (r.R > 0 && r.pos_kind != ROPE_POS_OFFSET && r.pos == nullptr) return false;
+  if (r.R > 0 && (r.table_rows < 0 || (r.table_rows > 0 && (r.cos_table == nullptr || r.sin_table == nullptr))))
+    return false;
+  if (p.k_cache != nullptr && (p.v_cache == nullptr || p.slots == nullptr || p.num_slots < 0 ||
+                               (p.slots_kind != ROPE_POS_I32 && p.slots_kind != ROPE_POS_I64)))
+    return false;
+  return true;
+}
+
+inline bool aligned_to(const void* ptr, int64_t a) { return (reinterpret_cast<uintptr_t>(ptr) % a) == 0; }
+
+// Whether 16-byte vectors fit every tensor the call reads and writes.
+inline bool prologue_vectors_fit(const RopePrologueParams& p, bool backward) {
+  const RopeParams& r = p.rope;
+  const int64_t elem = r.dtype == ROPE_F32 ? 4 : 2;
+  const int64_t E = 16 / elem;
+  if (r.D % E != 0 || (r.interleaved ? r.R % E : (r.R / 2) % E) != 0) return false;
+  const auto fits = [&](const void* ptr, const int64_t* strides, int n, int64_t a, int64_t el) {
+    if (!aligned_to(ptr, a)) return false;
+    for (int i = 0; i < n; ++i)
+      if ((strides[i] * el) % a != 0) return false;
+    return true;
+  };
+  const int64_t qkv_st[2] = {r.B > 1 ? p.qkv_stride_b : 0, r.S > 1 ? p.qkv_stride_s : 0};
+  if (!fits(p.qkv, qkv_st, 2, 16, elem)) return false;
+  if (!backward) {
+    if (!p.inplace)
+      for (int t = 0; t < 3; ++t)
+        if (!fits(p.out[t], p.out_stride[t], 3, 16, elem)) return false;
+    if (p.k_cache != nullptr) {
+      const int64_t ce = p.cache_fp8 ? 1 : elem;
+      if (!fits(p.k_cache, p.k_cache_stride, 2, E * ce, ce) || !fits(p.v_cache, p.v_cache_stride, 2, E * ce, ce))
+        return false;
+    }
+  } else {
+    const int64_t g_st[2] = {r.B > 1 ? p.grad_qkv_stride_b : 0, r.S > 1 ? p.grad_qkv_stride_s : 0};
+    if (!fits(p.grad_qkv, g_st, 2, 16, elem)) return false;
+    for (int t = 0; t < 3; ++t)
+      if (p.grad[t] != nullptr && !fits(p.grad[t], p.grad_stride[t], 3, 16, elem)) return false;
+  }
+  const int np = r.interleaved ? (int)E / 2 : (int)E;
+  return r.R == 0 || with_angles(r, [&](auto angles) { return decltype(angles)::aligned(r, np); });
+}
+
+// Units per row with E elements per vector; rotary units hold NP pairs.
+inline int64_t prologue_units(const RopeParams& r, int64_t E, int64_t& n_rot) {
+  const int64_t np = r.interleaved ? (E >= 2 ? E / 2 : 1) : E;
+  n_rot = r.R / (2 * np);
+  return n_rot + (r.D - r.R) / E;
+}
+
+inline bool plan_prologue(const RopePrologueParams& p, const RopeDevice& dev, bool backward,
+                          ProloguePlan& plan) {
+  const RopeParams& r = p.rope;
+  const int64_t elem = r.dtype == ROPE_F32 ? 4 : 2;
+  int64_t n_rot = 0, n_units = 0;
+  plan.vec16 = prologue_vectors_fit(p, backward);
+  if (plan.vec16) n_units = prologue_units(r, 16 / elem, n_rot);
+  if (!plan.vec16 || n_units > kPrologueMaxUnits) {
+    plan.vec16 = false;
+    n_units = prologue_units(r, 1, n_rot);
+  }
+  if (n_units > kPrologueMaxUnits) return false;
+  plan.units_per_lane = n_units <= 32 ? 1 : 4;
+  const int64_t per_lane_groups = (n_units + plan.units_per_lane - 1) / plan.units_per_lane;
+  int g_log2 = 0;
+  while ((int64_t(1) << g_log2) < per_lane_groups) ++g_log2;
+  PrologueShape& sh = plan.sh;
+  sh.G = 1 << g_log2;
+  sh.g_log2 = g_log2;
+  sh.n_rot = (int)n_rot;
+  sh.n_units = (int)n_units;
+  const int64_t groups = kPrologueThreads >> g_log2;  // per block
+  const int64_t tokens = r.B * r.S;
+  const int64_t sms = dev.num_sms > 0 ? dev.num_sms : 132;
+  if (!backward) {
+    const bool v_rows = !p.inplace || p.k_cache != nullptr;
+    sh.n_rows = (int)(p.Hq + p.Hk + (v_rows ? p.Hk : 0));
+    // few tokens: a token's rows over several blocks, so that every SM gets some
+    const int64_t per_pass = groups * prologue_rows_in_flight(plan.units_per_lane);
+    const int64_t most = (sh.n_rows + per_pass - 1) / per_pass;
+    const int64_t wanted = tokens > 0 ? (4 * sms + tokens - 1) / tokens : 1;
+    plan.splits = (int)(wanted < most ? wanted : most);
+    if (plan.splits < 1) plan.splits = 1;
+    sh.group_stride = (int)(groups * plan.splits);
+    plan.blocks = tokens;
+    plan.smem_bytes = 0;
+    if (tokens >= (int64_t(1) << 31)) return false;
+  } else {
+    sh.n_rows = (int)(p.Hq + 2 * p.Hk);
+    sh.group_stride = (int)groups;
+    plan.splits = 1;
+    plan.blocks = tokens < 8 * sms ? tokens : 8 * sms;
+    plan.smem_bytes = (int)(groups * r.D * (int64_t)sizeof(float));
+  }
+  const int64_t pass_rows = (int64_t)sh.group_stride * (backward ? 1 : prologue_rows_in_flight(plan.units_per_lane));
+  sh.row_iters = (int)((sh.n_rows + pass_rows - 1) / pass_rows);
+  return true;
+}
+
+template <typename T, bool NEOX, class A, class Exec>
+cudaError_t run_prologue_typed(const RopePrologueParams& p, const ProloguePlan& plan, bool backward,
+                               Exec& exec) {
+  constexpr int VE = (int)sizeof(T);  // single elements
+  if (plan.vec16) {
+    if (plan.units_per_lane == 1)
+      return backward ? exec.template prologue_backward<T, NEOX, 16, 1, A>(p, plan)
+                      : exec.template prologue<T, NEOX, 16, 1, A>(p, plan);
+    return backward ? exec.template prologue_backward<T, NEOX, 16, 4, A>(p, plan)
+                    : exec.template prologue<T, NEOX, 16, 4, A>(p, plan);
+  }
+  if (plan.units_per_lane == 1)
+    return backward ? exec.template prologue_backward<T, NEOX, VE, 1, A>(p, plan)
+                    : exec.template prologue<T, NEOX, VE, 1, A>(p, plan);
+  return backward ? exec.template prologue_backward<T, NEOX, VE, 4, A>(p, plan)
+                  : exec.template prologue<T, NEOX, VE, 4, A>(p, plan);
+}
+
+// Plans and runs the forward or the backward on exec.
+template <class Exec>
+cudaError_t run_prologue(const RopePrologueParams& p, const RopeDevice& dev, bool backward, Exec& exec) {
+  if (!prologue_params_ok(p)) return cudaErrorInvalidValue;
+  if (p.rope.B * p.rope.S == 0) return cudaSuccess;
+  ProloguePlan plan;
+  if (!plan_prologue(p, dev, backward, plan)) return cudaErrorNotSupported;
+  return with_angles(p.rope, [&](auto angles) {
+    using A = decltype(angles);
+    const bool neox = p.rope.interleaved == 0;
+    switch (p.rope.dtype) {
+      case ROPE_F32:
+        return neox ? run_prologue_typed<float, true, A>(p, plan, backward, exec)
+                    : run_prologue_typed<float, false, A>(p, plan, backward, exec);
+      case ROPE_F16:
+        return neox ? run_prologue_typed<__half, true, A>(p, plan, backward, exec)
+                    : run_prologue_typed<__half, false, A>(p, plan, backward, exec);
+      default:
+        return neox ? run_prologue_typed<__nv_bfloat16, true, A>(p, plan, backward, exec)
+                    : run_prologue_typed<__nv_bfloat16, false, A>(p, plan, backward, exec);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace rope_ops_cuda
