@@ -4,8 +4,9 @@ Request, in order of precedence: the per-call ``backend=`` argument, then ``use_
 then the ``ROPE_OPS_BACKEND`` environment variable, then ``auto``.
 
 - ``auto``: among the backends that join automatic selection on the call's device (rope_ops' own,
-  and third-party ones that declare ``joins_auto``), the available one of highest priority that
-  accepts the call, built-ins winning ties; the pure-torch backend is the last resort.
+  and third-party ones that declare ``joins_auto``), the available one of highest priority for the
+  call (``Backend.priority_for``) that accepts it, built-ins winning ties; the pure-torch backend is
+  the last resort.
 - one name: that backend or a BackendError with its reasons (strict).
 - a comma list: the first listed backend that accepts the call; BackendError with everyone's
   reasons when none does.
@@ -117,18 +118,31 @@ def joins_auto(backend: Backend) -> bool:
     return registry.is_builtin(backend.name) or bool(getattr(backend, "joins_auto", False))
 
 
-def auto_ranking(loaded: dict[str, Backend]) -> list[Backend]:
-    """Backends in the order automatic selection tries them (the fallback last)."""
+def auto_ranking(loaded: dict[str, Backend], call: RopeCall | None = None) -> list[Backend]:
+    """Backends in the order automatic selection tries them for ``call`` (the fallback last)."""
     def rank(b: Backend):
-        return (b.name == FALLBACK, -int(getattr(b, "priority", 0)), not registry.is_builtin(b.name), b.name)
+        return (b.name == FALLBACK, -_priority(b, call), not registry.is_builtin(b.name), b.name)
 
     return sorted(loaded.values(), key=rank)
+
+
+def _priority(backend: Backend, call: RopeCall | None) -> int:
+    """backend.priority_for(call) (its priority without a call); a plugin whose method raises
+    or returns a non-integer keeps its declared priority."""
+    declared = getattr(backend, "priority", 0)
+    if call is None or not hasattr(backend, "priority_for"):
+        return int(declared)
+    try:
+        value = backend.priority_for(call)
+    except Exception:
+        return int(declared)
+    return value if isinstance(value, int) else int(declared)
 
 
 def _auto(call: RopeCall) -> Backend:
     loaded, failures = registry.load_all()
     refusals = {name: [f"failed to load: {why}"] for name, why in failures.items()}
-    for candidate in auto_ranking(loaded):
+    for candidate in auto_ranking(loaded, call):
         if candidate.name != FALLBACK:
             if not joins_auto(candidate):
                 refusals[candidate.name] = ["third-party backend that does not join automatic "

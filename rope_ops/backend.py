@@ -288,6 +288,11 @@ class Backend:
             "prologue": self.supports_prologue,
         }
 
+    def priority_for(self, call: RopeCall) -> int:
+        """Its rank in automatic selection for this kind of call (higher first): ``priority``
+        unless a backend knows another backend's kernels are faster for some calls."""
+        return self.priority
+
     def auto_devices(self) -> frozenset[str]:
         return self.device_types if self.auto_device_types is None else self.auto_device_types
 

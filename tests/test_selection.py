@@ -198,10 +198,11 @@ def test_environment_is_read_through_public_apis(monkeypatch):
     assert out.stdout.decode().strip() == "backend error", out.stderr.decode()[-500:]
 
 
-def test_prologue_calls_the_cuda_kernels_refuse_go_to_triton(monkeypatch):
-    """On a CUDA device the CUDA backend takes prologue calls with position tables (caches of the
-    input's dtype or float8 included); mRoPE and per-token tables go to Triton, with the CUDA
-    backend's reason."""
+def test_prologue_calls_go_to_the_faster_kernels_or_to_what_can_take_them(monkeypatch):
+    """On a CUDA device prologue calls go to Triton, whose kernels measured faster, except
+    half-precision training, where the CUDA kernels were; without Triton the CUDA backend takes
+    every prologue call with position tables (caches of the input's dtype or float8 included).
+    mRoPE and per-token tables go to Triton, with the CUDA backend's reason."""
     from rope_ops.backend import RopeCall
     from rope_ops_backends.cuda_backend import CudaBackend
     from rope_ops_backends.triton_backend import TritonBackend
@@ -219,16 +220,41 @@ def test_prologue_calls_the_cuda_kernels_refuse_go_to_triton(monkeypatch):
 
     monkeypatch.delenv("ROPE_OPS_BACKEND", raising=False)
 
-    def call(angles="table", cache=None, needs_grad=False):
-        return RopeCall("cuda", torch.bfloat16, "thd", "neox", 128, 128, 32, 8, False, torch.int64,
-                        False, needs_grad, True, angles, torch.float32, "prologue", cache)
+    def call(angles="table", cache=None, needs_grad=False, dtype=torch.bfloat16, op="prologue"):
+        return RopeCall("cuda", dtype, "thd", "neox", 128, 128, 32, 8, False, torch.int64,
+                        False, needs_grad, True, angles, torch.float32, op, cache)
 
     with registry.override({"cuda": Cuda(), "triton": Triton(), "torch": TorchBackend()}):
-        assert _select.select(call()).name == "cuda"
+        assert _select.select(call()).name == "triton"
+        assert _select.select(call(cache=torch.float8_e4m3fn)).name == "triton"
         assert _select.select(call(needs_grad=True)).name == "cuda"
-        assert _select.select(call(cache=torch.bfloat16)).name == "cuda"
-        assert _select.select(call(cache=torch.float8_e4m3fn)).name == "cuda"
+        assert _select.select(call(needs_grad=True, dtype=torch.float16)).name == "cuda"
+        assert _select.select(call(needs_grad=True, dtype=torch.float32)).name == "triton"
+        assert _select.select(call(op="rope")).name == "cuda"  # apply: the CUDA kernels first
+        assert _select.select(call(), "cuda").name == "cuda"  # named
         for angles in ("mrope", "token"):
             assert _select.select(call(angles)).name == "triton"
             assert any("prologue kernels read position tables only" in r
                        for r in Cuda().supports(call(angles)))
+    with registry.override({"cuda": Cuda(), "torch": TorchBackend()}):  # no Triton
+        for c in (call(), call(cache=torch.bfloat16), call(cache=torch.float8_e4m3fn),
+                  call(needs_grad=True, dtype=torch.float32)):
+            assert _select.select(c).name == "cuda"
+
+
+def test_priority_for_ranks_per_call_and_a_raising_one_keeps_the_declared_priority(fakes):
+    class PrefersHalf(Recording):
+        def priority_for(self, call):
+            return 40 if call.dtype == torch.float16 else 1
+
+    class Raises(Recording):
+        def priority_for(self, call):
+            raise RuntimeError("plugin bug")
+
+    fakes["half"] = PrefersHalf("half", priority=1)
+    fakes["raises"] = Raises("raises", priority=15)
+    with registry.override(fakes):
+        call(torch.float16)
+        assert fakes["half"].runs == 1
+        call(torch.float32)  # half ranks 1 there; raises keeps 15; fast (20) wins
+        assert fakes["fast"].runs == 1 and fakes["raises"].runs == 0
