@@ -763,12 +763,14 @@ def graph_us(fns, iters=5, calls=48) -> float:
 
 
 def copy_us(nbytes: int) -> float:
-    """A device-to-device copy moving nbytes in all (nbytes / 2 read, nbytes / 2 written)."""
-    half = max(2, nbytes // 2)
+    """A copy kernel moving nbytes in all (nbytes / 2 read, nbytes / 2 written), the best of a
+    few block sizes (rope_ops.bench's floor: a copy torch captures in a graph may run on the copy
+    engines, slower than the SMs)."""
+    from rope_ops.bench.floors import copy_kernel_time
+
     n_sets = max(2, min(64, math.ceil(L2_ROTATION_BYTES / nbytes)))
-    bufs = [(torch.empty(half, dtype=torch.uint8, device="cuda"),
-             torch.empty(half, dtype=torch.uint8, device="cuda")) for _ in range(n_sets)]
-    return graph_us([lambda s=s, d=d: d.copy_(s) for s, d in bufs])
+    seconds, _ = copy_kernel_time(max(4, nbytes // 2), "cuda", n_sets)
+    return seconds * 1e6
 
 
 def time_candidates(row: dict, labels, us_of, deadline: float = math.inf) -> None:
