@@ -160,9 +160,12 @@ struct PrologueUnits {
   }
 };
 
-// Rows a forward lane has in flight: two (their loads issued back to back, before either's
-// reduction) with one unit per lane, one with four (registers).
-constexpr int prologue_rows_in_flight(int units_per_lane) { return units_per_lane == 1 ? 2 : 1; }
+// Rows a forward lane has in flight (their loads issued back to back, before the first
+// reduction). One: occupancy wins over rows in flight. bf16 D 128, one unit per lane, H200
+// (2026-12-02), us per call for a 16384-token prefill / 256-token decode with a cache write:
+// 1 row 126.2 / 5.02 (72 registers), 2 rows 158.1 / 6.08 (91), 4 rows 180.2 / 7.09 (126),
+// 6 rows 248.3 / 7.56 (168); 1 row capped at 64 registers (8 blocks per SM) 126.8 / 5.25.
+constexpr int prologue_rows_in_flight(int /*units_per_lane*/) { return 1; }
 
 // The sum of v over the G lanes of each group (G a power of two: xor partners stay in the group).
 __device__ __forceinline__ float group_sum(float v, int G) {

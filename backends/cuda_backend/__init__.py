@@ -198,11 +198,11 @@ class CudaBackend(Backend):
         return _module().run(args)
 
     # Fused prologue calls rank below the Triton backend (priority 10) except half-precision
-    # training: on the H200 Triton's prologue took 106.4 us against 155.9 on a Qwen3-8B-like
-    # prefill, 4.57 against 6.01 on a 256-token decode with a cache write and 106.8 against 118.5
-    # on an fp32 head_dim-64 training step, while these kernels took 236.3 against 322.7 us on a
-    # bf16 training step (forward + backward). Named (ROPE_OPS_BACKEND=cuda) or without Triton,
-    # they run every prologue call.
+    # training: on the H200 Triton's prologue took 106.8 us against 126.2 on a Qwen3-8B-like
+    # prefill, 4.62 against 5.02 on a 256-token decode with a cache write and 107.0 against 117.1
+    # on an fp32 head_dim-64 training step, while these kernels took 220.4 against 323.2 us on a
+    # bf16 training step (forward + backward; csrc/NOTES.md). Named (ROPE_OPS_BACKEND=cuda) or
+    # without Triton, they run every prologue call.
     PROLOGUE_BELOW_TRITON = 5
 
     def priority_for(self, call: RopeCall) -> int:
