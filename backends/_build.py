@@ -241,3 +241,15 @@ def build_extension(name: str, sources: list[Path], *, headers: list[Path] = (),
             shutil.rmtree(work, ignore_errors=True)
             raise
     return module
+
+
+def loaded_module(state: dict, backend, name: str):
+    """The backend's extension module (``state["module"]``), built or loaded by its
+    ``availability()`` on first use; RuntimeError with its reasons when it cannot be."""
+    module = state["module"]
+    if module is None:
+        reasons = backend.availability()
+        module = state["module"]
+        if module is None:
+            raise RuntimeError(f"rope_ops {name} backend unavailable: " + "; ".join(reasons))
+    return module

@@ -129,13 +129,9 @@ def build(*, verbose: bool = False) -> list[str]:
 
 
 def _module():
-    module = _state["module"]
-    if module is None:
-        reasons = CpuBackend().availability()
-        module = _state["module"]
-        if module is None:
-            raise RuntimeError("rope_ops cpu backend unavailable: " + "; ".join(reasons))
-    return module
+    from .._build import loaded_module
+
+    return loaded_module(_state, CpuBackend(), "cpu")
 
 
 def isa() -> str:

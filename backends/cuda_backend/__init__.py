@@ -235,13 +235,9 @@ class CudaBackend(Backend):
 
 
 def _module():
-    module = _state["module"]
-    if module is None:
-        reasons = CudaBackend().availability()
-        module = _state["module"]
-        if module is None:
-            raise RuntimeError("rope_ops cuda backend unavailable: " + "; ".join(reasons))
-    return module
+    from .._build import loaded_module
+
+    return loaded_module(_state, CudaBackend(), "cuda")
 
 
 def run_prologue(module, args: PrologueArgs) -> None:
