@@ -240,3 +240,18 @@ def test_ranks_agree_with_one_process(request, world_size, check):
     skips = {outcome for outcome in per_rank.values() if outcome.startswith("skip")}
     if skips:
         pytest.skip("; ".join(sorted(skips)))
+
+
+def test_readme_example_runs_on_two_cpu_ranks():
+    """`python examples/distributed_cp.py`, as the README says: its ranks assert that the shards
+    equal one process's result and that the DTensor rotations communicate nothing."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "distributed_cp.py"
+    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "gathered shards == one process: True (bshd), True (varlen)" in out, out
+    assert out.count("local == one process: True, collectives: 0") == 2, out
