@@ -76,6 +76,18 @@ def test_every_candidate_of_every_case_matches_the_reference(ext, check_tool):
             "flat/joint+fly", "generic+nopdl"} <= set(rn.labels_run), rn.labels_run
 
 
+def test_per_token_and_mrope_cases_match_the_reference(ext, check_tool):
+    """tools/gpu_cuda_check.py's per-token cos/sin and mRoPE cases, each with the policy's choice
+    and every candidate (the heads family and the generic kernel only)."""
+    rn = check_tool.Runner(ext, "cpu")
+    check_tool.angle_source_accuracy(rn)
+    assert not rn.failures, "\n".join(rn.failures[:20])
+    assert rn.count > 200
+    families = {label.split("/")[0].split("+")[0] for label in rn.labels_run}
+    assert families == {"heads", "generic"}, rn.labels_run
+    assert {"heads/pipe2/u2/t128", "heads/rounds4/u3/t256", "heads/u1/t256+fly", "generic"} <= set(rn.labels_run)
+
+
 def test_coverage_pass_reaches_every_kernel(ext, c_api, check_tool):
     """gpu_cuda_check.py --coverage (what the GPU run puts under compute-sanitizer): its calls'
     candidates run every kernel instantiation the dispatcher has, and match the reference."""
@@ -358,3 +370,26 @@ def test_kernel_args_fields_are_checked(ext):
         ext.run(KernelArgs(torch.zeros(1, 1, 2), None, None, None, None, 0, torch.zeros(1, 1),
                            torch.zeros(1, 1), None, 1.0, "thd", 2, False, False, False, angles="rays"))
 
+
+def test_untimed_angle_sources_rank_below_triton():
+    """Per-token cos/sin and mRoPE are taken (named, they run) but rank below the Triton backend
+    until timed on a GPU; position tables of half precision are refused (the table sources read
+    float32), per-token ones are not; the prologue still refuses both sources."""
+    from rope_ops.backend import RopeCall
+    from rope_ops_backends.cuda_backend import CudaBackend
+    from rope_ops_backends.triton_backend import TritonBackend
+
+    def call(angles, table_dtype=torch.float32, op="rope"):
+        return RopeCall("cuda", torch.bfloat16, "thd", "neox", 128, 128, 32, 8, False, torch.int64,
+                        angles == "token", False, True, angles=angles, table_dtype=table_dtype, op=op)
+
+    cuda = CudaBackend()
+    assert cuda.priority_for(call("table")) == cuda.priority > TritonBackend.priority
+    for angles in ("token", "mrope"):
+        assert cuda.priority_for(call(angles)) < TritonBackend.priority
+        assert cuda.supports(call(angles)) == []
+        assert any("prologue" in r for r in cuda.supports(call(angles, op="prologue")))
+    assert cuda.supports(call("token", torch.float16)) == []
+    for angles in ("table", "mrope"):
+        (reason,) = cuda.supports(call(angles, torch.bfloat16))
+        assert "float32" in reason
