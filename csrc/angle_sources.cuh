@@ -3,6 +3,11 @@
 // Every kernel family is a template on an angle source, a policy type with this interface
 // (all static, __host__ __device__):
 //
+//   kEveryFamily                                         whether every family is built for it;
+//                                                        false: the heads family (16-byte
+//                                                        vectors) and the generic kernel only
+//                                                        (dispatch.h, policy.h)
+//   kName                                                for the tests' kernel names
 //   using Token = ...;                                   what the second call needs of a token
 //   Token token(const RopeParams& p, b, s);              token (b, s) of the [B, S] view: its
 //                                                        position load heads the longest chain,
@@ -15,11 +20,15 @@
 //                                                        c[j], s[j] = m*cos, m*sin of frequency
 //                                                        i0 + j (j < NC), s negated for inverse
 //
-// The families own everything else (which thread rotates what, loads, stores). A new source is
-// one struct here, the RopeParams fields it reads, and its line in with_angles (below): caller
-// cos/sin given per token would read cos[b * stride_b + s * stride_s + i] in cos_sin with
-// Token = (b, s); mRoPE would keep three positions in Token and pick, per frequency, the one of
-// the axis its section assigns.
+// The families own everything else (which thread rotates what, loads, stores). A source is one
+// struct here, the RopeParams fields it reads, and its line in with_angles (below). Sources:
+//   TableAngles  positions into the float32 table (angle_kind ROPE_ANGLES_TABLE): every family;
+//   TokenAngles  the caller's cos/sin per token (ROPE_ANGLES_TOKEN);
+//   MropeAngles  three positions per token, one per frequency by mrope_section
+//                (ROPE_ANGLES_MROPE).
+// The last two are built for the heads family and the generic kernel only: each source is a
+// whole set of instantiations (dtypes x styles x schedules), and those two families take every
+// call between them.
 #pragma once
 
 #include "kernel_common.cuh"
@@ -27,15 +36,15 @@
 namespace rope_ops_cuda {
 namespace {
 
+// Position element i of the int32 or int64 positions.
+ROPE_HD int64_t load_position_at(const RopeParams& p, int64_t i) {
+  if (p.pos_kind == ROPE_POS_I32) return (int64_t)ldg_ro(static_cast<const int32_t*>(p.pos) + i);
+  return (int64_t)ldg_ro(static_cast<const long long*>(p.pos) + i);
+}
+
 ROPE_HD int64_t load_position(const RopeParams& p, int64_t b, int64_t s) {
-  if (p.pos_kind == ROPE_POS_I32) {
-    return (int64_t)ldg_ro(static_cast<const int32_t*>(p.pos) + b * p.pos_stride_b + s * p.pos_stride_s);
-  }
-  if (p.pos_kind == ROPE_POS_I64) {
-    return (int64_t)ldg_ro(static_cast<const long long*>(p.pos) + b * p.pos_stride_b +
-                          s * p.pos_stride_s);
-  }
-  return p.pos_offset + s;
+  if (p.pos_kind == ROPE_POS_OFFSET) return p.pos_offset + s;
+  return load_position_at(p, b * p.pos_stride_b + s * p.pos_stride_s);
 }
 
 // m*cos and m*sin of frequency i at integer position pos, from fixed-point turns:
@@ -122,6 +131,8 @@ ROPE_HD void load_cos_sin(const RopeParams& p, int64_t pos, int64_t i0, float* c
 // Positions (an int offset, or int32/int64 tensors with (b, s) strides) into the float32
 // cos/sin table; rows outside [0, table_rows) from freq_turns, or NaN without them.
 struct TableAngles {
+  static constexpr bool kEveryFamily = true;
+  static constexpr const char* kName = "table";
   using Token = long long;  // the token's position
 
   static ROPE_HD Token token(const RopeParams& p, const long long b, const long long s) {
@@ -153,10 +164,102 @@ struct TableAngles {
   }
 };
 
+// Value i of a caller table of dtype `dtype` (RopeDType) as float32. Half-precision values are
+// loaded as their 16 bits and widened here (exact).
+ROPE_HD float load_table_value(const void* table, const int dtype, const int64_t i) {
+  if (dtype == ROPE_F32) return ldg_ro(static_cast<const float*>(table) + i);
+  const uint32_t bits = ldg_ro(static_cast<const unsigned short*>(table) + i);
+  if (dtype == ROPE_BF16) return bit_cast_hd<float>(bits << 16);
+  return __half2float(bit_cast_hd<__half>((unsigned short)bits));
+}
+
+// The caller's cos/sin per token: token (b, s) reads row (b, s) of token_cos / token_sin, NC
+// values at a time one element each (their strides and alignment are the caller's).
+struct TokenAngles {
+  static constexpr bool kEveryFamily = false;
+  static constexpr const char* kName = "token";
+  struct Token {
+    long long cos_row, sin_row;  // element offsets of the token's rows
+  };
+
+  static ROPE_HD Token token(const RopeParams& p, const long long b, const long long s) {
+    return Token{b * p.token_cos_stride_b + s * p.token_cos_stride_s,
+                 b * p.token_sin_stride_b + s * p.token_sin_stride_s};
+  }
+
+  static ROPE_HD Token token_uniform(const RopeParams& p, const long long t) { return token(p, 0, t); }
+
+  static bool uniform(const RopeParams& p) {
+    return p.B == 1 || (p.token_cos_stride_b == p.S * p.token_cos_stride_s &&
+                        p.token_sin_stride_b == p.S * p.token_sin_stride_s);
+  }
+
+  static bool aligned(const RopeParams&, const int) { return true; }  // element loads
+
+  template <int NC>
+  static ROPE_HD void cos_sin(const RopeParams& p, const Token t, const long long i0, float* c,
+                              float* s, const bool = false) {
+#pragma unroll
+    for (int j = 0; j < NC; ++j) {
+      c[j] = load_table_value(p.token_cos, p.token_dtype, t.cos_row + i0 + j);
+      s[j] = load_table_value(p.token_sin, p.token_dtype, t.sin_row + i0 + j);
+      if (p.inverse) s[j] = -s[j];
+    }
+  }
+};
+
+// mRoPE: three positions per token (t, h, w); frequency i takes the one of the axis its section
+// assigns (rope.h), then its row of the table exactly as TableAngles (on the fly or NaN outside).
+struct MropeAngles {
+  static constexpr bool kEveryFamily = false;
+  static constexpr const char* kName = "mrope";
+  struct Token {
+    long long t, h, w;  // the positions of the three axes (named fields: an indexed array would
+                        // live in local memory)
+  };
+
+  static ROPE_HD Token token(const RopeParams& p, const long long b, const long long s) {
+    const long long at = b * p.pos_stride_b + s * p.pos_stride_s;
+    return Token{load_position_at(p, at), load_position_at(p, at + p.pos_stride_axis),
+                 load_position_at(p, at + 2 * p.pos_stride_axis)};
+  }
+
+  static ROPE_HD Token token_uniform(const RopeParams& p, const long long t) { return token(p, 0, t); }
+
+  static bool uniform(const RopeParams& p) {
+    return p.B == 1 || p.pos_stride_b == p.S * p.pos_stride_s;
+  }
+
+  static bool aligned(const RopeParams&, const int) { return true; }  // one frequency at a time
+
+  // The position axis (0 t, 1 h, 2 w) of frequency i: rope_ops._mrope.mrope_axes.
+  static ROPE_HD int axis_of(const RopeParams& p, const long long i) {
+    if (p.mrope_interleaved) {
+      if (i % 3 == 1 && i < 3LL * p.mrope_section[1]) return 1;
+      if (i % 3 == 2 && i < 3LL * p.mrope_section[2]) return 2;
+      return 0;
+    }
+    if (i < p.mrope_section[0]) return 0;
+    return i < (long long)p.mrope_section[0] + p.mrope_section[1] ? 1 : 2;
+  }
+
+  template <int NC>
+  static ROPE_HD void cos_sin(const RopeParams& p, const Token t, const long long i0, float* c,
+                              float* s, const bool on_the_fly = false) {
+#pragma unroll
+    for (int j = 0; j < NC; ++j) {
+      const int axis = axis_of(p, i0 + j);
+      const long long pos = axis == 0 ? t.t : axis == 1 ? t.h : t.w;
+      load_cos_sin<1>(p, pos, i0 + j, c + j, s + j, on_the_fly);
+    }
+  }
+};
+
 // f(Source{}) for the angle source of call p: what the policy and the dispatch instantiate.
 template <class F>
-decltype(auto) with_angles(const RopeParams& p, F&& f) {
-  (void)p;  // one source so far: positions into the table
+auto with_angles(const RopeParams& p, F&& f) -> decltype(f(TableAngles{})) {
+  if (p.angle_kind == ROPE_ANGLES_TOKEN) return f(TokenAngles{});
+  if (p.angle_kind == ROPE_ANGLES_MROPE) return f(MropeAngles{});
   return f(TableAngles{});
 }
 

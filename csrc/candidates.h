@@ -25,6 +25,8 @@ inline bool config_fits(const RopeParams& p, const RopeDevice& dev, const RopeCo
   if (f.nothing) return c.family == ROPE_NOTHING;
   if (c.pdl != 0 && (c.pdl != 1 || !dev.pdl)) return false;
   if (c.rows_on_the_fly != 0 && (c.rows_on_the_fly != 1 || p.freq_turns == nullptr)) return false;
+  if (!every_family(p) && !(c.family == ROPE_GENERIC || (c.family == ROPE_HEADS && c.vector_bytes == 16)))
+    return false;
   switch (c.family) {
     case ROPE_GENERIC:
       return c.rows_on_the_fly == 0;

@@ -66,8 +66,12 @@ for cu in "$here"/*.cu; do
             # "ELi<SCHED>ELi<ST>ELi<HINT>E": pipe2 (1, 2, 2) streams loads and stores, rounds4
             # (0, 4, 1) plain loads and stores, rounds1 (0, 1, 0) streams loads; VB "Li16E" moves
             # 16-byte vectors (v4), "Li8E" 8-byte ones (v2)
-            w = (kern ~ /TableAnglesELi8E/) ? "v2" : "v4"
-            pos_cs = "ld.global.nc.s32 ld.global.nc.s64" (w == "v4" ? " ld.global.nc.v" : "")
+            w = (kern ~ /AnglesELi8E/) ? "v2" : "v4"
+            # angle sources: positions and table rows (16-byte rows with 16-byte data vectors);
+            # per-token cos/sin as float32 and 16-bit elements; mRoPE positions and single rows
+            if (kern ~ /TokenAngles/) { angles = "ld.global.nc.f32 ld.global.nc.u16"; pos_cs = angles }
+            else if (kern ~ /MropeAngles/) { angles = "ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.f32"; pos_cs = angles }
+            else { angles = "ld.global.nc.s32 ld.global.nc.s64"; pos_cs = angles (w == "v4" ? " ld.global.nc.v" : "") }
             if (kern ~ /rope_heads_kernel.*ELi1ELi2ELi2E/) n = split("ld.global.cs." w " st.global.cs." w " " pos_cs, need, " ")
             else if (kern ~ /rope_heads_kernel.*ELi0ELi4ELi1E/) n = split("ld.global." w " st.global." w " " pos_cs, need, " ")
             else if (kern ~ /rope_heads_kernel.*ELi0ELi1ELi0E/) n = split("ld.global.cs." w " st.global." w " " pos_cs, need, " ")
@@ -79,7 +83,7 @@ for cu in "$here"/*.cu; do
             # vectors of qkv and its outputs; every one loads positions (and the forward slots)
             else if (kern ~ /rope_prologue(_backward)?_kernel.*ELi16ELi[0-9]+E/) n = split("ld.global.v4 st.global.v4 ld.global.nc.s32 ld.global.nc.s64", need, " ")
             else if (kern ~ /rope_prologue(_backward)?_kernel/) n = split("ld.global.nc.s32 ld.global.nc.s64", need, " ")
-            else if (kern ~ /rope_generic_kernel/) n = split("ld.global.nc.s32 ld.global.nc.s64 ld.global.nc.f32 st.global", need, " ")
+            else if (kern ~ /rope_generic_kernel/) n = split(angles " ld.global.nc.f32 st.global", need, " ")
             else n = 0
             for (i = 1; i <= n; i++) if (index(body, need[i]) == 0) { print "missing " need[i] " in " kern; bad = 1 }
             if (kern ~ /rope_/ && body !~ /ld\.global\.nc(\.v[24])?\.f32/) { print "no cos/sin table load in " kern; bad = 1 }

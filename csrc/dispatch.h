@@ -22,7 +22,7 @@ cudaError_t run_heads(const RopeParams& p, const RopeConfig& c, Exec& exec) {
 }
 
 template <typename T, bool NEOX, class Angles, class Exec>
-cudaError_t run_typed(const RopeParams& p, const RopeDevice& dev, const RopeConfig& c, Exec& exec) {
+cudaError_t run_every_family(const RopeParams& p, const RopeDevice& dev, const RopeConfig& c, Exec& exec) {
   constexpr int V = VecInfo<T>::kVec;
   const bool fly = c.rows_on_the_fly != 0;
   switch (c.family) {
@@ -69,6 +69,19 @@ cudaError_t run_typed(const RopeParams& p, const RopeDevice& dev, const RopeConf
       return cudaSuccess;
     default:
       return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T, bool NEOX, class Angles, class Exec>
+cudaError_t run_typed(const RopeParams& p, const RopeDevice& dev, const RopeConfig& c, Exec& exec) {
+  // Sources built for two families only (angle_sources.cuh): nothing else is instantiated.
+  if constexpr (!Angles::kEveryFamily) {
+    if (c.family == ROPE_HEADS && c.vector_bytes == 16) return run_heads<T, NEOX, Angles, 16>(p, c, exec);
+    if (c.family == ROPE_GENERIC)
+      return exec.template generic<T, NEOX, Angles>(p, plan_generic(p, dev.num_sms > 0 ? dev.num_sms : 132));
+    return cudaErrorInvalidValue;
+  } else {
+    return run_every_family<T, NEOX, Angles>(p, dev, c, exec);
   }
 }
 

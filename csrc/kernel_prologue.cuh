@@ -523,6 +523,7 @@ inline bool prologue_params_ok(const RopePrologueParams& p) {
   if (r.B < 0 || r.S < 0 || p.Hq < 1 || p.Hk < 1 || r.D < 1) return false;
   if (r.R < 0 || (r.R & 1) || r.R > r.D) return false;
   if ((p.Hq + 2 * p.Hk) * r.D >= (int64_t(1) << 31)) return false;
+  if (r.angle_kind != ROPE_ANGLES_TABLE) return false;  // built for position tables only
   if (r.B == 0 || r.S == 0) return true;
   if (p.qkv == nullptr) return false;
   if (r.R > 0 && r.pos_kind != ROPE_POS_OFFSET && r.pos == nullptr) return false;
@@ -566,7 +567,7 @@ inline bool prologue_vectors_fit(const RopePrologueParams& p, bool backward) {
       if (p.grad[t] != nullptr && !fits(p.grad[t], p.grad_stride[t], 3, 16, elem)) return false;
   }
   const int np = r.interleaved ? (int)E / 2 : (int)E;
-  return r.R == 0 || with_angles(r, [&](auto angles) { return decltype(angles)::aligned(r, np); });
+  return r.R == 0 || TableAngles::aligned(r, np);
 }
 
 // Units per row with E elements per vector; rotary units hold NP pairs.
@@ -650,21 +651,20 @@ cudaError_t run_prologue(const RopePrologueParams& p, const RopeDevice& dev, boo
   if (p.rope.B * p.rope.S == 0) return cudaSuccess;
   ProloguePlan plan;
   if (!plan_prologue(p, dev, backward, plan)) return cudaErrorNotSupported;
-  return with_angles(p.rope, [&](auto angles) {
-    using A = decltype(angles);
-    const bool neox = p.rope.interleaved == 0;
-    switch (p.rope.dtype) {
-      case ROPE_F32:
-        return neox ? run_prologue_typed<float, true, A>(p, plan, backward, exec)
-                    : run_prologue_typed<float, false, A>(p, plan, backward, exec);
-      case ROPE_F16:
-        return neox ? run_prologue_typed<__half, true, A>(p, plan, backward, exec)
-                    : run_prologue_typed<__half, false, A>(p, plan, backward, exec);
-      default:
-        return neox ? run_prologue_typed<__nv_bfloat16, true, A>(p, plan, backward, exec)
-                    : run_prologue_typed<__nv_bfloat16, false, A>(p, plan, backward, exec);
-    }
-  });
+  // Position tables only (prologue_params_ok): the other sources are not instantiated here.
+  using A = TableAngles;
+  const bool neox = p.rope.interleaved == 0;
+  switch (p.rope.dtype) {
+    case ROPE_F32:
+      return neox ? run_prologue_typed<float, true, A>(p, plan, backward, exec)
+                  : run_prologue_typed<float, false, A>(p, plan, backward, exec);
+    case ROPE_F16:
+      return neox ? run_prologue_typed<__half, true, A>(p, plan, backward, exec)
+                  : run_prologue_typed<__half, false, A>(p, plan, backward, exec);
+    default:
+      return neox ? run_prologue_typed<__nv_bfloat16, true, A>(p, plan, backward, exec)
+                  : run_prologue_typed<__nv_bfloat16, false, A>(p, plan, backward, exec);
+  }
 }
 
 }  // namespace

@@ -21,6 +21,9 @@
 //     GPT-J: up to 8 heads in rounds of 4 with plain loads, 4096 threads per SM).
 // Rows on the fly (cos/sin from freq_turns instead of the table) are never chosen: they measured
 // slower or within noise on every class. PDL is on wherever the device and build allow it.
+// Angle sources built for the heads family and the generic kernel only (per-token cos/sin, mRoPE:
+// angle_sources.cuh) get those families' configurations of the same rules
+// (choose_heads_or_generic).
 //
 // candidates.h lists the alternatives for the benchmark tooling; its timings are what these
 // thresholds are to be fitted to.
@@ -71,7 +74,18 @@ inline bool params_ok(const RopeParams& p) {
   if (p.Hk > 0 && (p.k == nullptr || p.k_out == nullptr)) return false;
   if (p.pos_kind != ROPE_POS_OFFSET && p.pos == nullptr) return false;
   if (p.table_rows < 0) return false;
+  if (p.pos_kind < ROPE_POS_OFFSET || p.pos_kind > ROPE_POS_I64) return false;
   if (p.table_rows > 0 && (p.cos_table == nullptr || p.sin_table == nullptr)) return false;
+  if (p.angle_kind == ROPE_ANGLES_TOKEN) {
+    if (p.token_cos == nullptr || p.token_sin == nullptr) return false;
+    if (p.token_dtype < ROPE_F32 || p.token_dtype > ROPE_BF16) return false;
+  } else if (p.angle_kind == ROPE_ANGLES_MROPE) {
+    if (p.pos_kind == ROPE_POS_OFFSET) return false;  // three positions per token, from a tensor
+    const int* sec = p.mrope_section;
+    if (sec[0] < 0 || sec[1] < 0 || sec[2] < 0 || (int64_t)sec[0] + sec[1] + sec[2] != p.R / 2) return false;
+  } else if (p.angle_kind != ROPE_ANGLES_TABLE) {
+    return false;
+  }
   return true;
 }
 
@@ -169,9 +183,29 @@ inline RopeConfig decode_flat_config(const RopeParams& p, const CallFacts& f, co
   return c;
 }
 
+// Whether every family is built for the call's angle source (angle_sources.cuh); if not, only
+// the heads family with 16-byte vectors and the generic kernel.
+inline bool every_family(const RopeParams& p) {
+  return with_angles(p, [](auto angles) { return decltype(angles)::kEveryFamily; });
+}
+
+// The rules for a source built for the heads family and the generic kernel only: rule 1 without
+// the 8-byte heads kernels, rules 2-4 with the heads family's configurations. Not yet timed on
+// a GPU.
+inline RopeConfig choose_heads_or_generic(const RopeParams& p, const CallFacts& f, const RopeDevice& dev) {
+  if (!f.vectors) return config_of(ROPE_GENERIC, dev);
+  if (f.decode) return heads_config(p, f, dev, ROPE_PIPE2_STREAM, 2, 128, 256);
+  if (f.in_place || f.neox) {
+    if (f.neox && f.heads >= kManyHeads) return heads_config(p, f, dev, ROPE_PIPE2_STREAM, 6, 2048, 128);
+    return heads_config(p, f, dev, ROPE_PIPE2_STREAM, 4, 2048, f.in_place ? 128 : 256);
+  }
+  return heads_config(p, f, dev, ROPE_ROUNDS4_PLAIN, 8, 4096, 128);
+}
+
 inline RopeConfig choose(const RopeParams& p, const RopeDevice& dev) {
   const CallFacts f = facts_of(p, dev);
   if (f.nothing) return config_of(ROPE_NOTHING, dev);
+  if (!every_family(p)) return choose_heads_or_generic(p, f, dev);
   if (!f.vectors) {  // rule 1
     if (!f.vectors8) return config_of(ROPE_GENERIC, dev);
     RopeConfig c = f.decode ? heads_config(p, f, dev, ROPE_PIPE2_STREAM, 2, 128, 256)

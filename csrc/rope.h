@@ -9,7 +9,9 @@
 // float32 arithmetic, one rounding to the output dtype. c, s come from the float32 tables
 // cos/sin [table_rows, R/2] for positions in [0, table_rows); other positions are computed on the
 // fly from freq_turns (fixed-point turns, see rope_ops/backend.py) or, without freq_turns, are NaN.
-// Nothing outside the tables is ever read, whatever the position values.
+// Nothing outside the tables is ever read, whatever the position values. mRoPE picks the position
+// per frequency (three per token); per-token angles read the caller's row of each token instead
+// (angle_kind).
 //
 // Which kernel runs is a RopeConfig: rope_choose() derives it from the call and the device alone
 // (policy.h); rope_candidates() lists every configuration that can take the call, for the
@@ -25,6 +27,8 @@ extern "C" {
 
 enum RopeDType { ROPE_F32 = 0, ROPE_F16 = 1, ROPE_BF16 = 2 };
 enum RopePosKind { ROPE_POS_OFFSET = 0, ROPE_POS_I32 = 1, ROPE_POS_I64 = 2 };
+// Where a token's angles come from (angle_sources.cuh): TableAngles, TokenAngles, MropeAngles.
+enum RopeAngleKind { ROPE_ANGLES_TABLE = 0, ROPE_ANGLES_TOKEN = 1, ROPE_ANGLES_MROPE = 2 };
 
 typedef struct RopeParams {
   // Data: element strides of the canonical [B, S, H, D] view, order (b, s, h, d).
@@ -44,7 +48,7 @@ typedef struct RopeParams {
   int interleaved;  // 0: neox pairs (i, i + R/2); 1: gptj pairs (2i, 2i + 1)
   int inverse;  // rotate by minus the angle
   int copy_passthrough;  // 1: write dims [R, D) of the outputs (out of place); 0: touch only [0, R)
-  // Angle source (angle_sources.h, TableAngles). Positions: ROPE_POS_OFFSET means
+  // Angle source (angle_sources.cuh; angle_kind below). Positions: ROPE_POS_OFFSET means
   // pos(b, s) = pos_offset + s.
   const void* pos;
   int pos_kind;  // RopePosKind
@@ -56,6 +60,24 @@ typedef struct RopeParams {
   int64_t table_rows;
   const int64_t* freq_turns;  // [R/2] or null (caller tables: out-of-table rows are NaN)
   float attention_factor;  // m, applied to on-the-fly rows only (tables already hold m*cos)
+  // RopeAngleKind; 0 (the table) for a zero-initialised RopeParams.
+  int angle_kind;
+  // ROPE_ANGLES_TOKEN: the caller's m*cos / m*sin of each token, [B, S, R/2] with element strides
+  // (b, s) (0 to broadcast) and stride 1 along frequencies, of token_dtype (RopeDType). No
+  // positions, no table: pos, cos_table, sin_table and freq_turns are unused.
+  const void* token_cos;
+  const void* token_sin;
+  int token_dtype;
+  int64_t token_cos_stride_b, token_cos_stride_s;
+  int64_t token_sin_stride_b, token_sin_stride_s;
+  // ROPE_ANGLES_MROPE: pos holds three positions per token (axes t, h, w), pos_stride_axis
+  // elements apart (pos_kind I32 or I64); frequency i takes the position of the axis that
+  // mrope_section (three counts summing to R/2) assigns it: chunked, or interleaved (Qwen3-VL:
+  // h where i % 3 == 1 and i < 3 * section[1], w where i % 3 == 2 and i < 3 * section[2], else t).
+  // Rows come from the table as for ROPE_ANGLES_TABLE.
+  int64_t pos_stride_axis;
+  int mrope_section[3];
+  int mrope_interleaved;
 } RopeParams;
 
 // What the choice of kernel may depend on besides the call.

@@ -60,6 +60,9 @@ struct Call {
   int layout = 0;
   int64_t rotary_dim = 0;
   bool interleaved = false, inverse = false, inplace = false;
+  int angle_kind = ROPE_ANGLES_TABLE;  // RopeAngleKind
+  int64_t mrope_section[3] = {0, 0, 0};
+  bool mrope_interleaved = false;
 };
 
 inline Tensor tensor_or_none(PyObject* obj, const char* name) {
@@ -91,6 +94,17 @@ inline int64_t integer(PyObject* obj, const char* name) {
   return v;
 }
 
+// KernelArgs.angles (angle_sources.cuh: one source each).
+inline int angle_kind(PyObject* obj) {
+  const struct { const char* name; int kind; } kinds[] = {
+      {"table", ROPE_ANGLES_TABLE}, {"token", ROPE_ANGLES_TOKEN}, {"mrope", ROPE_ANGLES_MROPE}};
+  for (const auto& k : kinds) {
+    if (PyUnicode_Check(obj) && PyUnicode_CompareWithASCIIString(obj, k.name) == 0) return k.kind;
+  }
+  TORCH_CHECK(false, "rope_ops_cuda: KernelArgs.angles must be one of table, token, mrope");
+  return -1;
+}
+
 // KernelArgs (a tuple: a NamedTuple) to a Call.
 inline Call read_kernel_args(py::handle args) {
   PyObject* t = args.ptr();
@@ -115,9 +129,15 @@ inline Call read_kernel_args(py::handle args) {
   c.interleaved = flag(item(12));
   c.inverse = flag(item(13));
   c.inplace = flag(item(14));
-  // The angle sources built so far (angle_sources.cuh): positions into a table.
-  TORCH_CHECK(PyUnicode_Check(item(15)) && PyUnicode_CompareWithASCIIString(item(15), "table") == 0,
-              "rope_ops_cuda: only KernelArgs.angles 'table' is implemented");
+  c.angle_kind = angle_kind(item(15));
+  if (c.angle_kind == ROPE_ANGLES_MROPE) {
+    PyObject* section = item(16);
+    TORCH_CHECK((PyTuple_Check(section) || PyList_Check(section)) && PySequence_Fast_GET_SIZE(section) == 3,
+                "rope_ops_cuda: KernelArgs.mrope_section must be three ints for angles 'mrope'");
+    for (int i = 0; i < 3; ++i)
+      c.mrope_section[i] = integer(PySequence_Fast_GET_ITEM(section, i), "mrope_section");
+    c.mrope_interleaved = flag(item(17));
+  }
   return c;
 }
 
@@ -210,38 +230,98 @@ inline void fill_tensors(RopeParams& p, const Tensor& q, const Tensor& k, const 
   }
 }
 
-// The rest of RopeParams: rotation, positions (on q's device), tables (contiguous: see
-// contiguous_tables).
+// The caller's cos/sin per token (angles "token"): [B, S, R/2] or [S, R/2] (broadcast over the
+// batch; thd: [T, R/2] or [1, T, R/2]), any (b, s) strides, stride 1 along frequencies.
+inline void fill_token_angles(RopeParams& p, const Call& c) {
+  const Tensor& cos = c.cos;
+  const Tensor& sin = c.sin;
+  const int64_t half = c.rotary_dim / 2;
+  TORCH_CHECK(cos.defined() && sin.defined() && cos.scalar_type() == sin.scalar_type() &&
+                  cos.device() == c.q.device() && sin.device() == c.q.device(),
+              "rope_ops_cuda: per-token cos/sin must be tensors of one dtype on q's device");
+  p.token_dtype = dtype_code(cos.scalar_type());
+  const auto view = [&](const Tensor& t, const char* name) {
+    TORCH_CHECK((t.dim() == 2 || t.dim() == 3) && t.size(-1) == half,
+                "rope_ops_cuda: per-token ", name, " must be [B, S, rotary_dim/2] or [S, rotary_dim/2], got ",
+                t.sizes());
+    TORCH_CHECK(half == 1 || t.stride(-1) == 1, "rope_ops_cuda: per-token ", name,
+                " must have stride 1 along frequencies");
+    const Tensor v = t.dim() == 3 ? t : t.unsqueeze(0);
+    TORCH_CHECK((v.size(0) == p.B || v.size(0) == 1) && v.size(1) == p.S, "rope_ops_cuda: per-token ",
+                name, " of shape ", t.sizes(), " does not match ", p.B, " x ", p.S, " tokens");
+    return v;
+  };
+  const Tensor vc = view(cos, "cos");
+  const Tensor vs = view(sin, "sin");
+  p.token_cos = vc.data_ptr();
+  p.token_sin = vs.data_ptr();
+  // a size-1 axis is broadcast: stride 0, so that no row past the tensor is addressed
+  p.token_cos_stride_b = vc.size(0) == 1 ? 0 : vc.stride(0);
+  p.token_cos_stride_s = vc.size(1) == 1 ? 0 : vc.stride(1);
+  p.token_sin_stride_b = vs.size(0) == 1 ? 0 : vs.stride(0);
+  p.token_sin_stride_s = vs.size(1) == 1 ? 0 : vs.stride(1);
+}
+
+// Positions: [S] or [B, S] (table), [3, S] or [3, B, S] (mRoPE; thd: [T] and [3, T]); int32 or
+// int64 on q's device.
+inline void fill_positions(RopeParams& p, const Call& c) {
+  const Tensor& pos = c.pos;
+  const bool mrope = c.angle_kind == ROPE_ANGLES_MROPE;
+  if (!pos.defined()) {
+    TORCH_CHECK(!mrope, "rope_ops_cuda: angles 'mrope' needs positions [3, B, S], [3, S] or [3, T]");
+    p.pos_kind = ROPE_POS_OFFSET;
+    p.pos_offset = c.pos_offset;
+    return;
+  }
+  TORCH_CHECK(pos.device() == c.q.device(), "rope_ops_cuda: pos must be on q's device");
+  TORCH_CHECK(pos.scalar_type() == at::kInt || pos.scalar_type() == at::kLong,
+              "rope_ops_cuda: pos must be int32 or int64");
+  p.pos = pos.data_ptr();
+  p.pos_kind = pos.scalar_type() == at::kInt ? ROPE_POS_I32 : ROPE_POS_I64;
+  Tensor bs = pos;  // the [S] or [B, S] positions (of one axis for mRoPE)
+  if (mrope) {
+    TORCH_CHECK((pos.dim() == 2 || pos.dim() == 3) && pos.size(0) == 3,
+                "rope_ops_cuda: mRoPE positions must be [3, B, S], [3, S] or [3, T], got ", pos.sizes());
+    p.pos_stride_axis = pos.stride(0);
+    bs = pos.select(0, 0);
+  }
+  if (bs.dim() == 1) {
+    TORCH_CHECK(bs.size(0) == p.S || p.S == 0, "rope_ops_cuda: pos has ", bs.size(0),
+                " entries per axis, expected ", p.S);
+    p.pos_stride_b = 0;
+    p.pos_stride_s = bs.stride(0);
+  } else {
+    TORCH_CHECK(bs.dim() == 2 && bs.size(0) == p.B && bs.size(1) == p.S,
+                "rope_ops_cuda: pos must be [S] or [B, S]");
+    p.pos_stride_b = bs.stride(0);
+    p.pos_stride_s = bs.stride(1);
+  }
+}
+
+// The rest of RopeParams: rotation and the angle source's fields: positions (on q's device) and
+// tables (contiguous float32: see contiguous_tables), or the per-token cos/sin.
 inline void fill_angles(RopeParams& p, const Call& c) {
   const Tensor& q = c.q;
-  const Tensor& pos = c.pos;
   TORCH_CHECK(c.rotary_dim > 0 && c.rotary_dim % 2 == 0 && c.rotary_dim <= p.D,
               "rope_ops_cuda: rotary_dim must be even in (0, head_dim], got ", c.rotary_dim);
   p.R = c.rotary_dim;
   p.interleaved = c.interleaved ? 1 : 0;
   p.inverse = c.inverse ? 1 : 0;
   p.copy_passthrough = c.inplace ? 0 : 1;
-  if (pos.defined()) {
-    TORCH_CHECK(pos.device() == q.device(), "rope_ops_cuda: pos must be on q's device");
-    TORCH_CHECK(pos.scalar_type() == at::kInt || pos.scalar_type() == at::kLong,
-                "rope_ops_cuda: pos must be int32 or int64");
-    p.pos = pos.data_ptr();
-    p.pos_kind = pos.scalar_type() == at::kInt ? ROPE_POS_I32 : ROPE_POS_I64;
-    if (pos.dim() == 1) {
-      TORCH_CHECK(pos.size(0) == p.S || p.S == 0, "rope_ops_cuda: pos has ", pos.size(0),
-                  " entries, expected ", p.S);
-      p.pos_stride_b = 0;
-      p.pos_stride_s = pos.stride(0);
-    } else {
-      TORCH_CHECK(pos.dim() == 2 && pos.size(0) == p.B && pos.size(1) == p.S,
-                  "rope_ops_cuda: pos must be [S] or [B, S]");
-      p.pos_stride_b = pos.stride(0);
-      p.pos_stride_s = pos.stride(1);
-    }
-  } else {
-    p.pos_kind = ROPE_POS_OFFSET;
-    p.pos_offset = c.pos_offset;
+  p.angle_kind = c.angle_kind;
+  p.attention_factor = static_cast<float>(c.attention_factor);
+  if (c.angle_kind == ROPE_ANGLES_TOKEN) {
+    fill_token_angles(p, c);
+    return;
   }
+  if (c.angle_kind == ROPE_ANGLES_MROPE) {
+    const int64_t* sec = c.mrope_section;
+    TORCH_CHECK(sec[0] >= 0 && sec[1] >= 0 && sec[2] >= 0 && sec[0] + sec[1] + sec[2] == c.rotary_dim / 2,
+                "rope_ops_cuda: mrope_section must be three counts >= 0 summing to rotary_dim/2");
+    for (int i = 0; i < 3; ++i) p.mrope_section[i] = (int)sec[i];
+    p.mrope_interleaved = c.mrope_interleaved ? 1 : 0;
+  }
+  fill_positions(p, c);
   const Tensor& cos = c.cos;
   const Tensor& sin = c.sin;
   TORCH_CHECK(cos.defined() && sin.defined() && cos.scalar_type() == at::kFloat &&
@@ -259,13 +339,13 @@ inline void fill_angles(RopeParams& p, const Call& c) {
                 "rope_ops_cuda: freq_turns must be contiguous int64 [rotary_dim/2] on q's device");
     p.freq_turns = f.data_ptr<int64_t>();
   }
-  p.attention_factor = static_cast<float>(c.attention_factor);
 }
 
 // The table source reads rows of R/2 floats back to back. Tables whose rows are strided (the two
 // halves of one [P, R] cos|sin cache) are copied for the call; reading them in place is a table
 // source with a row stride (angle_sources.cuh).
 inline void contiguous_tables(Call& c) {
+  if (c.angle_kind == ROPE_ANGLES_TOKEN) return;  // per-token rows: read with their own strides
   if (c.cos.defined() && !c.cos.is_contiguous()) c.cos = c.cos.contiguous();
   if (c.sin.defined() && !c.sin.is_contiguous()) c.sin = c.sin.contiguous();
 }

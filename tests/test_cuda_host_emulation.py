@@ -56,6 +56,10 @@ def every_kernel() -> set[str]:
             names |= {f"flat<{t},{u},joint>" for u in (2, 4, 6, 8)}
             names |= {f"flat<{t},{u},split>" for u in (1, 2, 4)}
             names |= {f"rows<{t}>", f"generic<{t}>"}
+            # the other angle sources: the heads family with 16-byte vectors, the generic kernel
+            for source in ("token", "mrope"):
+                names |= {f"heads<{t},{s},{source}>" for s in ("rounds1", "pipe2", "rounds4")}
+                names.add(f"generic<{t},{source}>")
         names |= {f"lean<{dtype},neox,{u}>" for u in (1, 2, 4, 8)}
     return names
 
@@ -70,6 +74,18 @@ def test_every_candidate_of_every_case_matches_the_reference(ext, check_tool):
     assert rn.count > 350
     assert {"rows", "flat/split/v1", "lean", "heads/pipe2/u2/t128", "heads8/rounds4/u3/t256",
             "flat/joint+fly", "generic+nopdl"} <= set(rn.labels_run), rn.labels_run
+
+
+def test_per_token_and_mrope_cases_match_the_reference(ext, check_tool):
+    """tools/gpu_cuda_check.py's per-token cos/sin and mRoPE cases, each with the policy's choice
+    and every candidate (the heads family and the generic kernel only)."""
+    rn = check_tool.Runner(ext, "cpu")
+    check_tool.angle_source_accuracy(rn)
+    assert not rn.failures, "\n".join(rn.failures[:20])
+    assert rn.count > 200
+    families = {label.split("/")[0].split("+")[0] for label in rn.labels_run}
+    assert families == {"heads", "generic"}, rn.labels_run
+    assert {"heads/pipe2/u2/t128", "heads/rounds4/u3/t256", "heads/u1/t256+fly", "generic"} <= set(rn.labels_run)
 
 
 def test_coverage_pass_reaches_every_kernel(ext, c_api, check_tool):
@@ -242,6 +258,12 @@ class RopeParams(ctypes.Structure):  # mirrors csrc/rope.h
         ("cos_table", ctypes.c_void_p), ("sin_table", ctypes.c_void_p),
         ("table_rows", ctypes.c_int64), ("freq_turns", ctypes.c_void_p),
         ("attention_factor", ctypes.c_float),
+        ("angle_kind", ctypes.c_int),
+        ("token_cos", ctypes.c_void_p), ("token_sin", ctypes.c_void_p), ("token_dtype", ctypes.c_int),
+        ("token_cos_stride_b", ctypes.c_int64), ("token_cos_stride_s", ctypes.c_int64),
+        ("token_sin_stride_b", ctypes.c_int64), ("token_sin_stride_s", ctypes.c_int64),
+        ("pos_stride_axis", ctypes.c_int64), ("mrope_section", ctypes.c_int * 3),
+        ("mrope_interleaved", ctypes.c_int),
     ]
 
 
@@ -252,7 +274,9 @@ class RopeDevice(ctypes.Structure):
 
 def test_inconsistent_params_are_refused_by_the_c_api(c_api):
     """rope_launch refuses inconsistent RopeParams (odd or too large rotary_dim, a positions
-    tensor announced but absent) without touching memory; empty calls are fine."""
+    tensor announced but absent, an unknown angle source, per-token cos/sin absent or of an unknown
+    dtype, mRoPE without positions or with sections not summing to rotary_dim/2) without touching
+    memory; empty calls are fine."""
     q = torch.zeros(1, 2, 1, 8)
     cos = torch.zeros(4, 4)
     p = RopeParams(q=q.data_ptr(), q_out=q.data_ptr(), B=1, S=2, Hq=1, D=8, R=8, dtype=0,
@@ -262,11 +286,31 @@ def test_inconsistent_params_are_refused_by_the_c_api(c_api):
     c_api.rope_launch.restype = ctypes.c_int
     launch = lambda: c_api.rope_launch(ctypes.byref(p), ctypes.byref(dev), None)  # noqa: E731
     assert launch() == 0
-    for field, value in (("R", 7), ("R", 10), ("pos_kind", 2)):
+    for field, value in (("R", 7), ("R", 10), ("pos_kind", 2), ("pos_kind", 3), ("angle_kind", 3)):
         old = getattr(p, field)
         setattr(p, field, value)
         assert launch() != 0, field
         setattr(p, field, old)
+    # per-token cos/sin (angle_kind 1): given, of a known dtype
+    p.angle_kind = 1
+    assert launch() != 0
+    p.token_cos = p.token_sin = cos.data_ptr()
+    p.token_cos_stride_s = p.token_sin_stride_s = 4
+    assert launch() == 0
+    p.token_dtype = 3
+    assert launch() != 0
+    p.token_dtype = 0
+    # mRoPE (angle_kind 2): positions from a tensor, sections summing to R/2
+    pos = torch.zeros(3, 2, dtype=torch.int64)
+    p.angle_kind = 2
+    p.mrope_section[:] = (2, 1, 1)
+    assert launch() != 0  # no positions tensor
+    p.pos, p.pos_kind, p.pos_stride_s, p.pos_stride_axis = pos.data_ptr(), 2, 1, 2
+    assert launch() == 0
+    for section in ((2, 1, 2), (5, -1, 0)):
+        p.mrope_section[:] = section
+        assert launch() != 0, section
+    p.angle_kind = 0
     p.S = 0
     p.q = p.q_out = None
     assert launch() == 0
@@ -309,7 +353,7 @@ def test_tables_that_are_two_halves_of_one_cache(ext):
 
 def test_kernel_args_fields_are_checked(ext):
     """The extension reads KernelArgs by position: the backend refuses a rope_ops whose fields
-    differ from those the extension reads, naming both; a call with another angle source is
+    differ from those the extension reads, naming both; a call with an unknown angle source is
     refused."""
     from rope_ops_backends import cuda_backend
 
@@ -324,4 +368,28 @@ def test_kernel_args_fields_are_checked(ext):
     assert "do not match" in reason and "'inplace'" in reason
     with pytest.raises(RuntimeError, match="angles"):
         ext.run(KernelArgs(torch.zeros(1, 1, 2), None, None, None, None, 0, torch.zeros(1, 1),
-                           torch.zeros(1, 1), None, 1.0, "thd", 2, False, False, False, angles="token"))
+                           torch.zeros(1, 1), None, 1.0, "thd", 2, False, False, False, angles="rays"))
+
+
+def test_untimed_angle_sources_rank_below_triton():
+    """Per-token cos/sin and mRoPE are taken (named, they run) but rank below the Triton backend
+    until timed on a GPU; position tables of half precision are refused (the table sources read
+    float32), per-token ones are not; the prologue still refuses both sources."""
+    from rope_ops.backend import RopeCall
+    from rope_ops_backends.cuda_backend import CudaBackend
+    from rope_ops_backends.triton_backend import TritonBackend
+
+    def call(angles, table_dtype=torch.float32, op="rope"):
+        return RopeCall("cuda", torch.bfloat16, "thd", "neox", 128, 128, 32, 8, False, torch.int64,
+                        angles == "token", False, True, angles=angles, table_dtype=table_dtype, op=op)
+
+    cuda = CudaBackend()
+    assert cuda.priority_for(call("table")) == cuda.priority > TritonBackend.priority
+    for angles in ("token", "mrope"):
+        assert cuda.priority_for(call(angles)) < TritonBackend.priority
+        assert cuda.supports(call(angles)) == []
+        assert any("prologue" in r for r in cuda.supports(call(angles, op="prologue")))
+    assert cuda.supports(call("token", torch.float16)) == []
+    for angles in ("table", "mrope"):
+        (reason,) = cuda.supports(call(angles, torch.bfloat16))
+        assert "float32" in reason

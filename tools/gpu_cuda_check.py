@@ -150,6 +150,33 @@ def exact_token_cos_sin(ref_pos, layout, B, S, inv, m):
     return m * angles.cos(), m * angles.sin()
 
 
+def token_cos_sin(layout, B, S, half, m, dtype, view, gen):
+    """The caller's (m*cos, m*sin) per token, [B, S, half] ([1, B*S, half] for thd) of ``dtype``:
+    view "dense"; "odd": rows of an odd pitch, 1 element past an aligned start (misaligned, odd
+    strides); "broadcast": one [S, half] row set shared by the batch (stride 0, [1, S, half])."""
+    b, s = (1, B * S) if layout == "thd" else (B, S)
+    if view == "broadcast":
+        b = 1
+    angles = (torch.rand(2, b, s, half, generator=gen, dtype=torch.float64) * 2 - 1) * math.pi
+    made = []
+    for values in (m * angles[0].cos(), m * angles[1].sin()):
+        if view == "odd":
+            buf = torch.zeros(b, s + 2, half + 3, dtype=dtype)
+            t = buf[:, 1:s + 1, 1:half + 1]
+            t.copy_(values)
+        else:
+            t = values.to(dtype)
+        made.append(t.expand(B if layout != "thd" else 1, s, half) if view == "broadcast" else t)
+    return made[0], made[1]
+
+
+def mrope_section_of(half: int) -> tuple[int, int, int]:
+    """Three uneven counts summing to half (Qwen2-VL's (16, 24, 24) for 64 frequencies)."""
+    t = half // 4
+    h = (half - t) // 2
+    return t, h, half - t - h
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().view(torch.int32 if t.element_size() == 4 else torch.int16)
 
@@ -157,7 +184,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def run_case(rn: Runner, *, dtype, style, layout, D, r, Hq, Hk, B=2, S=37, inplace, inverse,
              pos_kind="bs", pdtype=torch.int64, beyond=True, huge=False, caller_tables=False,
              kind="contig", strided_out=False, m=1.0, base=10000.0, rows=256, expect_generic=False,
-             seed=0):
+             seed=0, source="table", token_dtype=torch.float32, token_view="dense",
+             mrope_interleaved=False):
     """One call checked with the policy's choice (CudaBackend.run) and, unless the runner says
     otherwise, with every candidate configuration (run_with): each within the reference's bound,
     every table-reading configuration bit for bit equal to the choice, inputs (out of place),
@@ -168,6 +196,10 @@ def run_case(rn: Runner, *, dtype, style, layout, D, r, Hq, Hk, B=2, S=37, inpla
             f"{' beyond' if beyond else ''}{' huge' if huge else ''}"
             f"{' caller-tables' if caller_tables else ''} {kind}"
             f"{' strided-out' if strided_out else ''}{f' m={m}' if m != 1.0 else ''}")
+    if source == "token":  # no positions
+        name = name.split(" pos=")[0] + f" {kind} token-cos-sin/{str(token_dtype)[6:]}/{token_view}"
+    elif source == "mrope":
+        name += f" mrope/{'interleaved' if mrope_interleaved else 'chunked'}"
 
     def go():
         gen = torch.Generator().manual_seed(seed)
@@ -196,10 +228,26 @@ def run_case(rn: Runner, *, dtype, style, layout, D, r, Hq, Hk, B=2, S=37, inpla
         bases = [b.to(rn.device) for b in bases]
         q_in, k_in = (t.clone() if t is not None else None for t in views(bases))
         pos, off, ref_pos = positions(pos_kind, pdtype, layout, B, S, rows, gen, beyond, huge)
+        ref_kw = dict(layout=layout, rotary_dim=r, style=style, inverse=inverse)
+        table_cos, table_sin = cos, sin
+        angle_kw = {}
+        if source == "token":
+            pos, off, ref_pos = None, 0, 0
+            table_cos, table_sin = token_cos_sin(layout, B, S, r // 2, m, token_dtype, token_view, gen)
+            ref_kw["token_cos_sin"] = (table_cos, table_sin)
+            angle_kw = dict(angles="token")
+        elif source == "mrope":
+            pos = ref_pos = torch.stack([positions(pos_kind, pdtype, layout, B, S, rows, gen, beyond,
+                                                   False)[0] for _ in range(3)])
+            section = mrope_section_of(r // 2)
+            ref_kw.update(mrope_section=section, mrope_interleaved=mrope_interleaved)
+            angle_kw = dict(angles="mrope", mrope_section=section, mrope_interleaved=mrope_interleaved)
+        table_cos, table_sin = table_cos.to(rn.device), table_sin.to(rn.device)
         pos = None if pos is None else pos.to(rn.device)
 
-        ref_kw = dict(layout=layout, rotary_dim=r, style=style, inverse=inverse)
-        if caller_tables:
+        if source == "token":
+            pass
+        elif caller_tables:
             ref_kw["cos_sin"] = (cos, sin)
         elif huge:
             ref_kw["token_cos_sin"] = exact_token_cos_sin(ref_pos, layout, B, S, inv, m)
@@ -223,10 +271,12 @@ def run_case(rn: Runner, *, dtype, style, layout, D, r, Hq, Hk, B=2, S=37, inpla
             bs = [b.clone() for b in bases]
             q, k = views(bs)
             q_out, k_out, sentinels = outputs(q, k)
-            args = KernelArgs(q=q, k=k, q_out=q_out, k_out=k_out, pos=pos, pos_offset=off, cos=cos,
-                              sin=sin, freq_turns=None if caller_tables else ft,
+            args = KernelArgs(q=q, k=k, q_out=q_out, k_out=k_out, pos=pos, pos_offset=off,
+                              cos=table_cos, sin=table_sin,
+                              freq_turns=None if caller_tables or source == "token" else ft,
                               attention_factor=m, layout=layout, rotary_dim=r,
-                              interleaved=style == "gptj", inverse=inverse, inplace=inplace)
+                              interleaved=style == "gptj", inverse=inverse, inplace=inplace,
+                              **angle_kw)
             return args, bs, sentinels
 
         def call(label, same_as=None):
@@ -354,6 +404,65 @@ def accuracy(rn: Runner):
              B=3, S=700, inplace=False, inverse=False, rows=131072, base=500000.0)
 
 
+def angle_source_accuracy(rn: Runner):
+    """The caller's cos/sin per token and mRoPE (the heads family and the generic kernel take
+    them): every dtype, style and layout; float32, float16 and bfloat16 per-token tables, dense,
+    of odd strides and misaligned, or shared by the batch; mRoPE chunked and interleaved, int32 and
+    int64 positions past the table (on the fly) or caller tables (NaN past them); GQA/MQA, q only,
+    partial rotary, in place, packed QKV, inverse, and the generic kernel's shapes."""
+    print("\n== per-token cos/sin and mRoPE against rope_ops._reference, every candidate kernel")
+    views = ("dense", "odd", "broadcast")
+    for dtype in DTYPES:
+        for style in ("neox", "gptj"):
+            for li, layout in enumerate(("bshd", "sbhd", "bhsd", "thd")):
+                pk = "bs" if layout == "thd" else "s"
+                token_dtype = DTYPES[li % 3]
+                # full rotary, GQA, out of place
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=128, Hq=4, Hk=2,
+                         inplace=False, inverse=False, source="token", token_dtype=token_dtype,
+                         token_view=views[li % 3])
+                # partial rotary, in place, backward, half-precision tables of odd strides
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=64, Hq=3, Hk=1,
+                         inplace=True, inverse=True, source="token", token_view="odd",
+                         token_dtype=torch.bfloat16 if li % 2 else torch.float16)
+                # packed QKV into strided outputs, q only over an odd rotary half: generic kernel
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=32, Hq=2, Hk=2,
+                         inplace=False, inverse=False, kind="packed", strided_out=True,
+                         source="token", token_dtype=torch.float16, token_view=views[(li + 1) % 3])
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=80, r=34, Hq=3, Hk=0,
+                         inplace=False, inverse=True, source="token", token_view="odd",
+                         token_dtype=token_dtype, expect_generic=True)
+                # mRoPE chunked: int64 [3, B, S] positions past the table, GQA, out of place
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=128, Hq=4, Hk=2,
+                         inplace=False, inverse=False, pos_kind="bs", source="mrope", m=0.75)
+                # mRoPE interleaved: int32 [3, S] / [3, T], partial rotary, in place, backward
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=64, Hq=5, Hk=1,
+                         inplace=True, inverse=True, pos_kind=pk, pdtype=torch.int32,
+                         source="mrope", mrope_interleaved=True)
+                # mRoPE with caller tables (NaN past them), packed QKV, interleaved
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=96, Hq=4, Hk=2,
+                         inplace=True, inverse=False, kind="packed", caller_tables=True,
+                         source="mrope", mrope_interleaved=True)
+                # mRoPE on the generic kernel: stride 2 on head_dim; 8-byte rotary halves
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=64, r=48, Hq=2, Hk=2,
+                         inplace=True, inverse=True, kind="lastdim", source="mrope",
+                         expect_generic=True)
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=96,
+                         r=eight_byte_rotary(dtype, style), Hq=4, Hk=2, inplace=False,
+                         inverse=False, pos_kind=pk, source="mrope", expect_generic=True)
+    # one token; many tokens over more than one wave of threads
+    run_case(rn, dtype=torch.bfloat16, style="neox", layout="thd", D=128, r=128, Hq=32, Hk=8,
+             B=1, S=1, inplace=True, inverse=False, source="token", token_dtype=torch.bfloat16)
+    run_case(rn, dtype=torch.bfloat16, style="neox", layout="thd", D=128, r=128, Hq=32, Hk=8,
+             B=1, S=1, inplace=False, inverse=False, source="mrope", pos_kind="bs")
+    run_case(rn, dtype=torch.bfloat16, style="neox", layout="bshd", D=128, r=128, Hq=8, Hk=2,
+             B=3, S=300, inplace=False, inverse=False, source="token", token_view="odd",
+             token_dtype=torch.bfloat16)
+    run_case(rn, dtype=torch.float16, style="gptj", layout="bshd", D=128, r=128, Hq=8, Hk=2,
+             B=3, S=300, inplace=False, inverse=False, source="mrope", pos_kind="bs",
+             rows=131072, base=500000.0, mrope_interleaved=True)
+
+
 def fp32_gptj(dtype, style) -> bool:
     """float32 GPT-J pairs fill 8-byte vectors whatever rotary_dim is."""
     return dtype == torch.float32 and style == "gptj"
@@ -377,8 +486,8 @@ def coverage(rn: Runner):
     """Calls whose candidates reach every kernel instantiation: each vectors-per-thread count of
     the flat (separate, joint, split) and lean kernels, every heads schedule with 16- and 8-byte
     vectors, the rows kernel (in place, partial rotary) and the generic kernel, for every dtype
-    and style. Few tokens each,
-    so this pass is short enough for compute-sanitizer (--coverage)."""
+    and style, with position tables, per-token cos/sin and mRoPE. Few tokens each, so this pass
+    is short enough for compute-sanitizer (--coverage)."""
     print("\n== coverage: every kernel instantiation")
     for dtype in DTYPES:
         size = torch.empty((), dtype=dtype).element_size()
@@ -395,6 +504,14 @@ def coverage(rn: Runner):
                      seed=47)
             run_case(rn, dtype=dtype, style=style, layout="bshd", D=64, r=64, Hq=2, Hk=1, B=1,
                      S=3, inplace=True, inverse=False, kind="lastdim", expect_generic=True, seed=49)
+            # the other angle sources: every heads schedule (candidates) and the generic kernel
+            for source in ("token", "mrope"):
+                run_case(rn, dtype=dtype, style=style, layout="thd", D=128, r=128, Hq=6, Hk=2,
+                         B=1, S=3, inplace=False, inverse=True, pos_kind="bs", source=source,
+                         token_dtype=torch.float16, token_view="odd", seed=50)
+                run_case(rn, dtype=dtype, style=style, layout="bshd", D=40, r=18, Hq=2, Hk=1,
+                         B=2, S=3, inplace=True, inverse=False, pos_kind="bs", source=source,
+                         mrope_interleaved=True, expect_generic=True, seed=51)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1165,6 +1282,7 @@ def main() -> int:
         prologue_cases(rn)
     if not a.coverage and not a.prologue_only:
         accuracy(rn)
+        angle_source_accuracy(rn)
         alloc_outputs(rn)
         autograd_in_cpp(rn)
         garbage_positions(rn)

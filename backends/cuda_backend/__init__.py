@@ -11,6 +11,10 @@ newest one; ``$ROPE_OPS_CUDA_ARCH`` overrides, e.g. ``90`` or ``80;90``). Prebui
 ``run`` hands the whole ``KernelArgs`` to the extension, which reads its fields in C++. Which
 kernel runs is decided in C++ from the call and the device alone (csrc/policy.h).
 
+Rotations take three angle sources: position tables, the caller's cos/sin per token and mRoPE;
+the last two are checked by the tests' host emulation, not yet timed on a GPU, so they rank
+below the Triton backend (``priority_for``).
+
 The fused prologue (rope_ops.qkv_prologue) runs csrc/kernel_prologue.cuh, forward and backward,
 for position tables (mRoPE and per-token caller tables are refused: selection sends them to
 another backend), with caches of qkv's dtype or float8 e4m3. Calls its kernels cannot take
@@ -171,6 +175,10 @@ class CudaBackend(Backend):
     allocates_outputs = True  # run() allocates q_out / k_out in C++ when given None
     device_types = frozenset({"cuda"})
     dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    # Angle sources (csrc/angle_sources.cuh): position tables; the caller's cos/sin per token,
+    # float32 or half precision; mRoPE. Position tables (table, mrope) are read as float32.
+    angle_kinds = frozenset({"table", "token", "mrope"})
+    table_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
     supports_prologue = True
     prologue_cache_dtypes = frozenset(
         {d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None})
@@ -205,9 +213,16 @@ class CudaBackend(Backend):
     # without Triton, they run every prologue call.
     PROLOGUE_BELOW_TRITON = 5
 
+    # Per-token and mRoPE calls also rank below Triton: their kernels (the heads family and the
+    # generic kernel, csrc/angle_sources.cuh) are checked by the host emulation but not yet timed
+    # on a GPU. Named, they run.
+    UNTIMED_ANGLES_BELOW_TRITON = 5
+
     def priority_for(self, call: RopeCall) -> int:
         if call.op == "prologue" and not (call.needs_grad and call.dtype != torch.float32):
             return self.PROLOGUE_BELOW_TRITON
+        if call.angles in ("token", "mrope"):
+            return self.UNTIMED_ANGLES_BELOW_TRITON
         return self.priority
 
     def supports(self, call: RopeCall) -> list[str]:
@@ -215,6 +230,9 @@ class CudaBackend(Backend):
         if call.op == "prologue" and call.angles != "table":
             reasons.append(f"the prologue kernels read position tables only (angles 'table'), "
                            f"not {call.angles!r}")
+        if call.angles != "token" and call.table_dtype != torch.float32:
+            reasons.append(f"position tables (angles {call.angles!r}) are read as float32, "
+                           f"not {call.table_dtype}")
         return reasons
 
     def run_prologue(self, args: PrologueArgs) -> None:

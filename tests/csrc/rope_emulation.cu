@@ -27,6 +27,12 @@ const char* dtype_name() {
   return sizeof(T) == 4 ? "float32" : std::is_same<T, __half>::value ? "float16" : "bfloat16";
 }
 
+// ",token" / ",mrope" for the angle sources other than the table.
+template <class A>
+std::string source_suffix() {
+  return A::kEveryFamily ? std::string() : std::string(",") + A::kName;
+}
+
 template <typename T, bool NEOX>
 void record(const char* family, const std::string& rest) {
   g_kernels_run.insert(std::string(family) + "<" + dtype_name<T>() + (NEOX ? ",neox" : ",gptj") + rest + ">");
@@ -51,7 +57,8 @@ struct Emulator {
   template <typename T, bool NEOX, int SCHED, int ST, int HINT, class A, int VB>
   cudaError_t heads(const RopeParams& p, const HeadsPlan& f, const bool fly) {
     record<T, NEOX>(VB == 8 ? "heads8" : "heads",
-                    std::string(",") + (SCHED == SCHED_PIPE ? "pipe" : "rounds") + std::to_string(ST));
+                    std::string(",") + (SCHED == SCHED_PIPE ? "pipe" : "rounds") + std::to_string(ST) +
+                        source_suffix<A>());
     for (long long g = 0; g < f.total; ++g)
       heads_thread<T, NEOX, SCHED, ST, HINT, A, VB>(p, (int)f.CR, (int)f.CT, (int)f.hl, g, f.total, fly);
     return cudaSuccess;
@@ -137,7 +144,7 @@ struct Emulator {
 
   template <typename T, bool NEOX, class A>
   cudaError_t generic(const RopeParams& p, const GenericPlan& plan) {
-    record<T, NEOX>("generic", "");
+    record<T, NEOX>("generic", source_suffix<A>());
     for (long long g = 0; g < plan.total; ++g) generic_item<T, NEOX, A>(p, (long long)plan.per_head, g);
     return cudaSuccess;
   }
