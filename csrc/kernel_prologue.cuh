@@ -40,7 +40,7 @@ struct PrologueShape {
   int n_units;       // units per row
   int n_rows;        // rows per token walked: q, k (and v when written or cached)
   int group_stride;  // groups walking one token's rows
-  int row_iters;     // passes of a group over its rows (forward: rows_in_flight rows a pass)
+  int row_iters;     // rows per group: ceil(n_rows / group_stride)
 };
 
 // E elements of T from / to 16-byte vectors (VB 16) or single elements (VB sizeof(T)).
@@ -160,17 +160,23 @@ struct PrologueUnits {
   }
 };
 
-// Rows a forward lane has in flight (their loads issued back to back, before the first
-// reduction). One: occupancy wins over rows in flight. bf16 D 128, one unit per lane, H200
-// (2026-12-02), us per call for a 16384-token prefill / 256-token decode with a cache write:
-// 1 row 126.2 / 5.02 (72 registers), 2 rows 158.1 / 6.08 (91), 4 rows 180.2 / 7.09 (126),
-// 6 rows 248.3 / 7.56 (168); 1 row capped at 64 registers (8 blocks per SM) 126.8 / 5.25.
-constexpr int prologue_rows_in_flight(int /*units_per_lane*/) { return 1; }
-
 // The sum of v over the G lanes of each group (G a power of two: xor partners stay in the group).
 __device__ __forceinline__ float group_sum(float v, int G) {
   for (int off = G >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
   return v;
+}
+
+// cos/sin of a lane's rotary units (lane, lane + G, ...) for token (b, s), from angle source A.
+template <int U, int NP, class A>
+ROPE_HD void load_lane_angles(const RopePrologueParams& p, const PrologueShape& sh, int lane,
+                              int64_t b, int64_t s, float (&c)[U][NP], float (&sn)[U][NP]) {
+  if (sh.n_rot == 0) return;
+  const typename A::Token tok = A::token(p.rope, b, s);
+#pragma unroll
+  for (int k = 0; k < U; ++k) {
+    const int u = lane + k * sh.G;
+    if (u < sh.n_rot) A::template cos_sin<NP>(p.rope, tok, (long long)u * NP, c[k], sn[k]);
+  }
 }
 
 // Kind of row `row` of a token: 0 q, 1 k, 2 v; its head index within that kind.
@@ -181,20 +187,24 @@ ROPE_HD int row_kind(const RopePrologueParams& p, int row, int& head) {
   return 2;
 }
 
-// One lane of the forward: a token's units l, l + G, ... of the rows its group walks.
+// One lane of the forward: a token's units l, l + G, ... of the rows its group walks, one row
+// at a time. One row in flight: occupancy wins over more rows (their loads issued back to back
+// before the first reduction). bf16 D 128, one unit per lane, H200 (2026-12-02), us per call
+// for a 16384-token prefill / 256-token decode with a cache write: 1 row 126.2 / 5.02 (72
+// registers), 2 rows 158.1 / 6.08 (91), 4 rows 180.2 / 7.09 (126), 6 rows 248.3 / 7.56 (168);
+// 1 row capped at 64 registers (8 blocks per SM) 126.8 / 5.25.
 template <typename T, bool NEOX, int VB, int U, class A>
 struct PrologueLane {
   using Units = PrologueUnits<T, NEOX, VB>;
   static constexpr int NP = Units::NP, W = Units::W;
-  static constexpr int ROWS = prologue_rows_in_flight(U);
 
   int64_t b, s;
   int lane, group;   // lane in the group; the group's index among the token's groups
   int64_t slot;      // the token's cache slot, -1: none
   float c[U][NP], sn[U][NP];
-  float x[ROWS][U][W];
-  int row[ROWS];
-  bool active[ROWS];
+  float x[U][W];
+  int row;
+  bool active;
 
   ROPE_HD PrologueLane(const RopePrologueParams& p, const PrologueShape& sh, int64_t token,
                        int first_group, int thread) {
@@ -216,44 +226,34 @@ struct PrologueLane {
                             : (int64_t)ldg_ro(static_cast<const long long*>(p.slots) + at);
       if (v >= 0 && v < p.num_slots) slot = v;  // any other value: skip, never an address
     }
-    if (sh.n_rot == 0) return;
-    const typename A::Token tok = A::token(p.rope, b, s);
+    load_lane_angles<U, NP, A>(p, sh, lane, b, s, c, sn);
+  }
+
+  // Loads row i * group_stride + group of the group's walk; returns the lane's part of its sum
+  // of squares.
+  ROPE_HD float load_row(const RopePrologueParams& p, const PrologueShape& sh, int i) {
+    row = group + i * sh.group_stride;
+    active = row < sh.n_rows;
+    float part = 0.f;
+    if (!active) return part;
+    const T* src = static_cast<const T*>(p.qkv) + b * p.qkv_stride_b + s * p.qkv_stride_s +
+                   (int64_t)row * p.rope.D;
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int u = unit(sh, k);
-      if (u < sh.n_rot) A::template cos_sin<NP>(p.rope, tok, (long long)u * NP, c[k], sn[k]);
+      if (u >= sh.n_units) continue;
+      Units::load(src, sh, p.rope.R, u, x[k]);
+      const int n = Units::count(sh, u);
+#pragma unroll
+      for (int j = 0; j < W; ++j)
+        if (j < n) part = fmaf(x[k][j], x[k][j], part);
     }
+    return part;
   }
 
-  // Loads the rows of pass i of the group's walk (rows (i * ROWS + r) * group_stride + group);
-  // part[r]: the lane's part of row r's sum of squares.
-  ROPE_HD void load_rows(const RopePrologueParams& p, const PrologueShape& sh, int i, float* part) {
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      row[r] = group + (i * ROWS + r) * sh.group_stride;
-      active[r] = row[r] < sh.n_rows;
-      part[r] = 0.f;
-      if (!active[r]) continue;
-      const T* src = static_cast<const T*>(p.qkv) + b * p.qkv_stride_b + s * p.qkv_stride_s +
-                     (int64_t)row[r] * p.rope.D;
-#pragma unroll
-      for (int k = 0; k < U; ++k) {
-        const int u = unit(sh, k);
-        if (u >= sh.n_units) continue;
-        Units::load(src, sh, p.rope.R, u, x[r][k]);
-        const int n = Units::count(sh, u);
-#pragma unroll
-        for (int j = 0; j < W; ++j)
-          if (j < n) part[r] = fmaf(x[r][k][j], x[r][k][j], part[r]);
-      }
-    }
-  }
-
-  // The loaded rows' norm, rotation and stores; sum_sq[r]: row r's sum of squares.
-  ROPE_HD void finish_rows(const RopePrologueParams& p, const PrologueShape& sh, const float* sum_sq) {
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r)
-      if (active[r]) finish_row(p, sh, row[r], x[r], sum_sq[r]);
+  // The loaded row's norm, rotation and stores; sum_sq: its sum of squares.
+  ROPE_HD void finish_loaded_row(const RopePrologueParams& p, const PrologueShape& sh, float sum_sq) {
+    if (active) finish_row(p, sh, row, x, sum_sq);
   }
 
   // Norm, rotation and stores of loaded row `r` (values v); `sum_sq` is its sum of squares.
@@ -316,13 +316,9 @@ __global__ void __launch_bounds__(kPrologueThreads)
                                        threadIdx.x);
   wait_for_previous_grid();
   lane.load_token(p, sh);
-  constexpr int ROWS = prologue_rows_in_flight(U);
   for (int i = 0; i < sh.row_iters; ++i) {  // the same count for every lane: shuffles stay uniform
-    float sums[ROWS];
-    lane.load_rows(p, sh, i, sums);
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) sums[r] = group_sum(sums[r], sh.G);
-    lane.finish_rows(p, sh, sums);
+    const float part = lane.load_row(p, sh, i);
+    lane.finish_loaded_row(p, sh, group_sum(part, sh.G));
   }
 }
 
@@ -356,13 +352,7 @@ struct PrologueGradLane {
   ROPE_HD void load_token(const RopePrologueParams& p, const PrologueShape& sh, int64_t token) {
     b = token / p.rope.S;
     s = token - b * p.rope.S;
-    if (sh.n_rot == 0) return;
-    const typename A::Token tok = A::token(p.rope, b, s);
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-      const int u = unit(sh, k);
-      if (u < sh.n_rot) A::template cos_sin<NP>(p.rope, tok, (long long)u * NP, c[k], sn[k]);
-    }
+    load_lane_angles<U, NP, A>(p, sh, lane, b, s, c, sn);
   }
 
   // Loads the output gradient of row i, rotated back (p.rope.inverse), and the input row where
@@ -605,8 +595,7 @@ inline bool plan_prologue(const RopePrologueParams& p, const RopeDevice& dev, bo
     const bool v_rows = !p.inplace || p.k_cache != nullptr;
     sh.n_rows = (int)(p.Hq + p.Hk + (v_rows ? p.Hk : 0));
     // few tokens: a token's rows over several blocks, so that every SM gets some
-    const int64_t per_pass = groups * prologue_rows_in_flight(plan.units_per_lane);
-    const int64_t most = (sh.n_rows + per_pass - 1) / per_pass;
+    const int64_t most = (sh.n_rows + groups - 1) / groups;  // splits that give every group a row
     const int64_t wanted = tokens > 0 ? (4 * sms + tokens - 1) / tokens : 1;
     plan.splits = (int)(wanted < most ? wanted : most);
     if (plan.splits < 1) plan.splits = 1;
@@ -621,8 +610,7 @@ inline bool plan_prologue(const RopePrologueParams& p, const RopeDevice& dev, bo
     plan.blocks = tokens < 8 * sms ? tokens : 8 * sms;
     plan.smem_bytes = (int)(groups * r.D * (int64_t)sizeof(float));
   }
-  const int64_t pass_rows = (int64_t)sh.group_stride * (backward ? 1 : prologue_rows_in_flight(plan.units_per_lane));
-  sh.row_iters = (int)((sh.n_rows + pass_rows - 1) / pass_rows);
+  sh.row_iters = (int)((sh.n_rows + sh.group_stride - 1) / sh.group_stride);
   return true;
 }
 

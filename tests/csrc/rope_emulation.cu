@@ -149,7 +149,7 @@ struct Emulator {
     return cudaSuccess;
   }
 
-  // rope_prologue_kernel, warp by warp, rows phase by phase around the group sums.
+  // rope_prologue_kernel, warp by warp, each row's loads, group sums, then stores.
   template <typename T, bool NEOX, int VB, int U, class A>
   cudaError_t prologue(const RopePrologueParams& p, const ProloguePlan& plan) {
     using Lane = PrologueLane<T, NEOX, VB, U, A>;
@@ -166,15 +166,10 @@ struct Emulator {
             lanes[l].load_token(p, sh);
           }
           for (int i = 0; i < sh.row_iters; ++i) {
-            float sums[32][Lane::ROWS];
-            for (int l = 0; l < 32; ++l) lanes[l].load_rows(p, sh, i, sums[l]);
-            for (int r = 0; r < Lane::ROWS; ++r) {
-              float part[32];
-              for (int l = 0; l < 32; ++l) part[l] = sums[l][r];
-              emulate_group_sum(part, sh.G);
-              for (int l = 0; l < 32; ++l) sums[l][r] = part[l];
-            }
-            for (int l = 0; l < 32; ++l) lanes[l].finish_rows(p, sh, sums[l]);
+            float part[32];
+            for (int l = 0; l < 32; ++l) part[l] = lanes[l].load_row(p, sh, i);
+            emulate_group_sum(part, sh.G);
+            for (int l = 0; l < 32; ++l) lanes[l].finish_loaded_row(p, sh, part[l]);
           }
         }
     return cudaSuccess;
