@@ -205,24 +205,22 @@ class CudaBackend(Backend):
         out of place with args.q_out None, allocate the outputs and return (q_out, k_out)."""
         return _module().run(args)
 
-    # Fused prologue calls rank below the Triton backend (priority 10) except half-precision
-    # training: on the H200 Triton's prologue took 106.8 us against 126.2 on a Qwen3-8B-like
-    # prefill, 4.62 against 5.02 on a 256-token decode with a cache write and 107.0 against 117.1
-    # on an fp32 head_dim-64 training step, while these kernels took 220.4 against 323.2 us on a
-    # bf16 training step (forward + backward; csrc/NOTES.md). Named (ROPE_OPS_BACKEND=cuda) or
-    # without Triton, they run every prologue call.
-    PROLOGUE_BELOW_TRITON = 5
-
-    # Per-token and mRoPE calls also rank below Triton: their kernels (the heads family and the
-    # generic kernel, csrc/angle_sources.cuh) are checked by the host emulation but not yet timed
-    # on a GPU. Named, they run.
-    UNTIMED_ANGLES_BELOW_TRITON = 5
+    # Between the torch fallback and the Triton backend (priority 10).
+    BELOW_TRITON = 5
 
     def priority_for(self, call: RopeCall) -> int:
+        # Fused prologue calls rank below Triton except half-precision training: on the H200
+        # Triton's prologue took 106.8 us against 126.2 on a Qwen3-8B-like prefill, 4.62 against
+        # 5.02 on a 256-token decode with a cache write and 107.0 against 117.1 on an fp32
+        # head_dim-64 training step, while these kernels took 220.4 against 323.2 us on a bf16
+        # training step (forward + backward; csrc/NOTES.md).
         if call.op == "prologue" and not (call.needs_grad and call.dtype != torch.float32):
-            return self.PROLOGUE_BELOW_TRITON
+            return self.BELOW_TRITON
+        # Per-token and mRoPE kernels (the heads family and the generic kernel,
+        # csrc/angle_sources.cuh) are checked by the host emulation but not yet timed on a GPU.
         if call.angles in ("token", "mrope"):
-            return self.UNTIMED_ANGLES_BELOW_TRITON
+            return self.BELOW_TRITON
+        # Named (ROPE_OPS_BACKEND=cuda), or without Triton, the kernels run every call.
         return self.priority
 
     def supports(self, call: RopeCall) -> list[str]:
