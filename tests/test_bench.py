@@ -53,6 +53,8 @@ def test_matrix_covers_what_perf_md_asks():
     assert any(c.k_heads == 1 for c in matrix)  # MQA
     assert {c.mode for c in matrix} == {"forward", "train", "inplace"}
     assert {c.positions for c in matrix} >= {"arange", "random", "varlen"}
+    assert {c.angles for c in matrix} == {"positions", "token", "mrope"}
+    assert any(c.angles == "mrope" and c.mrope_interleaved for c in matrix)
     tokens = {c.tokens for c in matrix} | {c.tokens for c in WORKLOADS.values()}
     assert {1, 8, 64, 256, 65536} <= tokens
     assert set(WORKLOADS) == {"W1", "W2", "W3", "W3i", "W4", "W5"}
@@ -179,6 +181,46 @@ def test_providers_compute_the_case(name):
     assert _run_provider("torch", case, rope) == "ok"
     fp32 = dataclasses.replace(case, dtype="float32", positions="arange" if case.positions == "random" else case.positions)
     assert _run_provider("hf-eager", fp32, rope) == "ok"
+
+
+def _provider_check(name: str, case: Case, rope, tamper=None):
+    """_run_provider with the token cases' tables passed to the check (``tamper`` changes them
+    first: the check must then fail)."""
+    provider = providers_mod.make(name)
+    fresh = make_inputs(case, CPU, 1)[0]
+    before = fresh.fresh()
+    out = provider.build(case, [fresh], rope)[0]()
+    tables = providers_mod.peer_tables(case, before, rope) if case.angles == "token" else None
+    if tamper is not None:
+        tables = tamper(tables)
+    return check_outputs(case, before, provider.layout_outputs(case, out), rope.inv_freq,
+                         rope.attention_factor, tables)
+
+
+@pytest.mark.parametrize("name", [n for n, c in MATRIX.items() if c.angles != "positions"])
+def test_angle_cases_call_and_check_what_they_say(name, monkeypatch):
+    """Per-token cases hand rope_ops the peers' tables (pos None) and are checked against those
+    tables as rounded; mRoPE cases pass [3, ...] positions with the case's section."""
+    case = tiny(ALL_CASES[name])
+    rope = rope_for(case, rows=4096)
+    calls = []
+    original = rope_ops.apply
+
+    def recording(q, k, pos, **kwargs):
+        calls.append((pos, kwargs))
+        return original(q, k, pos, **kwargs)
+
+    monkeypatch.setattr(rope_ops, "apply", recording)
+    assert _provider_check("torch", case, rope) == "ok"
+    pos, kwargs = calls[0]
+    if case.angles == "token":
+        assert pos is None and kwargs["cos_sin"][0].dtype == case.torch_dtype
+        shifted = lambda tables: tuple(torch.roll(t, 1, dims=-2) for t in tables)  # noqa: E731
+        assert _provider_check("torch", case, rope, shifted).startswith("MISMATCH")
+    else:
+        assert pos.shape[0] == 3 and torch.equal(pos[0], pos[1]) and torch.equal(pos[1], pos[2])
+        assert kwargs["mrope_section"] == case.mrope_section
+        assert kwargs["mrope_interleaved"] == case.mrope_interleaved
 
 
 def test_peers_skip_with_reasons_on_cpu():

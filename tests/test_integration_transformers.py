@@ -78,13 +78,14 @@ MODEL_CLASSES = {
 MODELS = list(MODEL_CLASSES)
 
 
-def make_model(name: str, dtype=torch.float32, seed: int = 0, **overrides):
+def make_model(name: str, dtype=torch.float32, seed: int = 0, device: str = "cpu", **overrides):
+    """The same weights on every device (initialised on the CPU, then moved)."""
     torch.manual_seed(seed)
     model = getattr(transformers, MODEL_CLASSES[name])(_config(name, **overrides))
-    return model.to(dtype)
+    return model.to(device, dtype)
 
 
-def make_inputs(name: str, seed: int = 1, seq: int = SEQ, start: int = 0) -> dict:
+def make_inputs(name: str, seed: int = 1, seq: int = SEQ, start: int = 0, device: str = "cpu") -> dict:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 90, (BATCH, seq), generator=gen)
     inputs = {"input_ids": ids, "labels": ids}
@@ -95,7 +96,7 @@ def make_inputs(name: str, seed: int = 1, seq: int = SEQ, start: int = 0) -> dic
         inputs["position_ids"] = torch.stack([positions, height, width])
     elif start:
         inputs["position_ids"] = positions
-    return inputs
+    return {key: value.to(device) for key, value in inputs.items()}
 
 
 def forward_backward(model, inputs):
@@ -111,17 +112,42 @@ def modeling_module(name: str):
     return sys.modules[getattr(transformers, MODEL_CLASSES[name]).__module__]
 
 
-@pytest.fixture(params=["torch", "cpu"])
-def backend(request):
-    """The backend every rope_ops call of the test is forced to (strict: it must take them)."""
-    name = request.param
+# The GPU backends run the models on a CUDA device; the others on the CPU.
+GPU_BACKENDS = ("cuda", "triton")
+
+
+def device_of(backend: str) -> str:
+    return "cuda" if backend in GPU_BACKENDS else "cpu"
+
+
+def _forced(name: str):
+    """use_backend(name) (strict: it must take every call), or a skip saying why it can't run."""
     if name not in registry.names():
         pytest.skip(f"backend {name!r} is not registered here (installed entry points: {registry.names()})")
+    if device_of(name) == "cuda" and not torch.cuda.is_available():
+        pytest.skip(f"backend {name!r}: the models run on a CUDA device, and there is none")
     reasons = registry.availability(registry.get(name))
     if reasons:
         pytest.skip(f"backend {name!r} unavailable here: {'; '.join(reasons)}")
-    with rope_ops.use_backend(name):
-        yield name
+    return rope_ops.use_backend(name)
+
+
+@pytest.fixture(params=["torch", "cpu", *GPU_BACKENDS])
+def backend(request):
+    """The backend every rope_ops call of the test is forced to; its models live on
+    device_of(backend)."""
+    with _forced(request.param):
+        yield request.param
+
+
+@pytest.fixture(params=["auto", *GPU_BACKENDS])
+def where(request):
+    """(backend, device): automatic selection on the CPU, or a GPU backend forced on CUDA."""
+    if request.param == "auto":
+        yield None, "cpu"
+        return
+    with _forced(request.param):
+        yield request.param, "cuda"
 
 
 def assert_grads_close(grads, expected, atol):
@@ -137,8 +163,8 @@ def assert_grads_close(grads, expected, atol):
 @pytest.mark.parametrize("exact", [False, True], ids=["model_tables", "exact"])
 @pytest.mark.parametrize("name", MODELS)
 def test_patched_model_matches_transformers(name, exact, backend, rope_ops_calls):
-    model = make_model(name)
-    inputs = make_inputs(name)
+    model = make_model(name, device=device_of(backend))
+    inputs = make_inputs(name, device=device_of(backend))
     modeling = modeling_module(name)
     originals = {fn: getattr(modeling, fn) for fn in (APPLY, APPLY_MROPE) if hasattr(modeling, fn)}
     rotary_before = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
@@ -160,12 +186,13 @@ def test_patched_model_matches_transformers(name, exact, backend, rope_ops_calls
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt_neox", "glm4", "qwen2_vl", "gemma3"])
-def test_bf16_within_transformers_own_rounding(name):
+def test_bf16_within_transformers_own_rounding(name, where):
     """In bf16 the patched model is no further from the float32 model than transformers' own
     bf16 rotation (which rounds after every multiply and add; rope_ops rounds once)."""
-    inputs = make_inputs(name)
-    reference_logits, reference_grads = forward_backward(make_model(name), inputs)
-    model = make_model(name, torch.bfloat16)
+    _, device = where
+    inputs = make_inputs(name, device=device)
+    reference_logits, reference_grads = forward_backward(make_model(name, device=device), inputs)
+    model = make_model(name, torch.bfloat16, device=device)
     hf_logits, hf_grads = forward_backward(model, inputs)
     with patch(model):
         logits, grads = forward_backward(model, inputs)
@@ -182,11 +209,12 @@ def test_bf16_within_transformers_own_rounding(name):
 
 @pytest.mark.parametrize("exact", [False, True], ids=["model_tables", "exact"])
 @pytest.mark.parametrize("name", ["llama", "gemma3", "qwen2_vl"])
-def test_training_steps_match(name, exact):
-    inputs = make_inputs(name)
+def test_training_steps_match(name, exact, where):
+    _, device = where
+    inputs = make_inputs(name, device=device)
     results = []
     for patched in (False, True):
-        model = make_model(name)
+        model = make_model(name, device=device)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         with patch(model, exact=exact) if patched else _nothing():
             for _ in range(3):
@@ -211,9 +239,10 @@ class _nothing:
 
 @pytest.mark.parametrize("exact", [False, True], ids=["model_tables", "exact"])
 @pytest.mark.parametrize("name", ["llama", "gemma3", "glm4", "qwen2_vl"])
-def test_generate_matches(name, exact, rope_ops_calls):
-    model = make_model(name).eval()
-    ids = make_inputs(name)["input_ids"]
+def test_generate_matches(name, exact, where, rope_ops_calls):
+    _, device = where
+    model = make_model(name, device=device).eval()
+    ids = make_inputs(name, device=device)["input_ids"]
     expected = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
     with patch(model, exact=exact):
         got = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
@@ -227,9 +256,10 @@ def test_generate_matches(name, exact, rope_ops_calls):
 
 
 @pytest.mark.parametrize("name, exact", [("llama", False), ("llama", True), ("qwen2_vl", True)])
-def test_compile_aot_eager_fullgraph(name, exact):
-    model = make_model(name)
-    inputs = make_inputs(name)
+def test_compile_aot_eager_fullgraph(name, exact, where):
+    _, device = where
+    model = make_model(name, device=device)
+    inputs = make_inputs(name, device=device)
     with patch(model, exact=exact):
         eager_logits, eager_grads = forward_backward(model, inputs)
         torch._dynamo.reset()
@@ -240,9 +270,10 @@ def test_compile_aot_eager_fullgraph(name, exact):
     assert_grads_close(grads, eager_grads, atol=1e-5)
 
 
-def test_compile_inductor():
-    model = make_model("llama")
-    inputs = make_inputs("llama")
+def test_compile_inductor(where):
+    _, device = where
+    model = make_model("llama", device=device)
+    inputs = make_inputs("llama", device=device)
     hf_logits, hf_grads = forward_backward(model, inputs)
     with patch(model):
         torch._dynamo.reset()

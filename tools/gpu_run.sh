@@ -28,6 +28,7 @@
 #   candidates  python -m rope_ops bench --candidates --providers cuda: every kernel
 #               configuration of every benchmark case timed next to the policy's choice
 #   bench       python -m rope_ops bench --matrix: W1-W5 and the public matrix, every provider
+#               ($BENCH_WORKLOADS, a comma list of case names: those cases only)
 # Each timed phase is cut at the time left of BUDGET_S (570 s by default, for a 600 s call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -83,15 +84,18 @@ if has verify; then
     --pyargs rope_ops.testing --rope-backend cuda \
     -k "test_forward and (beyond or near_2p20 or negative or packed or transposed or caller_tables or thd or inplace) and (float32 or bfloat16)" \
     > "$OUT/sanitizer_suite.txt" 2>&1 & p5=$!
+  # the models on the GPU with the cuda and triton backends (inductor there too), on the CPU with
+  # the torch and cpu backends
   timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_integration_transformers.py \
-    tests/test_mrope.py tests/test_prologue_hf.py tests/test_torch_backend_slices.py -k "not inductor" \
+    tests/test_mrope.py tests/test_prologue_hf.py tests/test_torch_backend_slices.py \
+    --deselect "tests/test_integration_transformers.py::test_compile_inductor[auto]" \
     > "$OUT/tests_hf_torch.txt" 2>&1 & p6=$!
   PYTHONFAULTHANDLER=1 timeout "$t" python3 tests/_distributed_checks.py --device cuda --rope-backend cuda,torch \
     --world-size 2 > "$OUT/distributed_cuda.txt" 2>&1 & p7=$!
   for job in "$p1:conformance cuda:conformance_cuda" "$p2:conformance triton:conformance_triton" \
              "$p3:CUDA cases, every candidate:cuda_check" "$p4:sanitizer, every kernel:sanitizer_coverage" \
              "$p5:sanitizer, suite forward cases:sanitizer_suite" \
-             "$p6:transformers integration, mRoPE, prologue vs HF, torch backend on CUDA:tests_hf_torch" \
+             "$p6:transformers models on cuda and triton, mRoPE, prologue vs HF, torch backend on CUDA:tests_hf_torch" \
              "$p7:distributed checks, 2 ranks on the GPU:distributed_cuda"; do
     IFS=: read -r pid label file <<< "$job"
     wait "$pid"; rc=$?
@@ -133,7 +137,8 @@ if has candidates; then
 fi
 if has bench; then
   step "bench --matrix (W1-W5 and the public matrix, every provider)"
-  timeout "$(left)" python3 -m rope_ops bench --matrix --json "$OUT/matrix.json" --markdown "$OUT/results-h200.md" \
+  cases=(--matrix); [ -n "${BENCH_WORKLOADS:-}" ] && cases=(--workloads "$BENCH_WORKLOADS")
+  timeout "$(left)" python3 -m rope_ops bench "${cases[@]}" --json "$OUT/matrix.json" --markdown "$OUT/results-h200.md" \
     --png "$OUT/results-h200.png" 2>&1 | tee "$OUT/matrix.txt"
   [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
 fi

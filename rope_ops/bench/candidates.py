@@ -51,6 +51,9 @@ def kernel_args(case: Case, s: InputSet, tables, inverse: bool) -> KernelArgs:
 def time_candidates(case: Case, sets: list[InputSet], rope, module, graph_seconds: float) -> list[dict]:
     """One entry per direction (forward; and backward for train cases): the policy's label, each
     candidate's time (or error, or failed check) and the best checked candidate."""
+    if case.angles != "positions":
+        return [{"case": case.name, "direction": "forward",
+                 "error": "candidates are timed on positions-indexed tables only", "candidates": []}]
     tables = rope.tables(sets[0].q.device)
     entries = []
     for inverse in ((False, True) if case.train else (False,)):

@@ -60,6 +60,12 @@ class Case:
     mode: str = "forward"  # forward, train (forward + backward through autograd), inplace
     positions: str = "arange"  # arange (per sequence), random, varlen (thd), offset (past the table)
     packed: bool = False  # q and k are views into one QKV tensor [..., Hq + 2 Hk, D]
+    # Where the angles come from: "positions" (rope_ops' tables indexed by pos), "token" (the
+    # per-token cos/sin a model computes, Hugging Face's [B, S, r] in the model's dtype, as the
+    # peers get them) or "mrope" (text tokens' t, h, w positions, all equal, with mrope_section)
+    angles: str = "positions"
+    mrope_section: tuple[int, int, int] = (16, 24, 24)
+    mrope_interleaved: bool = False
     group: str = "matrix"  # W (PERF.md), matrix, cpu
     targets: tuple[Target, ...] = ()  # PERF.md targets beyond the general ones of its floor kind
 
@@ -89,7 +95,11 @@ class Case:
         size = torch.empty((), dtype=self.torch_dtype).element_size()
         touched = self.rot if self.inplace else self.head_dim
         data = 2 * self.tokens * (self.q_heads + self.k_heads) * touched * size
-        tables = self.tokens * (self.rot * 4 + 8)
+        if self.angles == "token":  # cos and sin rows [r] in the data's dtype, shared by a batch
+            rows = self.seq if self.positions == "arange" and self.layout != "thd" else self.tokens
+            tables = rows * 2 * self.rot * size
+        else:
+            tables = self.tokens * (self.rot * 4 + 8 * (3 if self.angles == "mrope" else 1))
         return (2 if self.train else 1) * (data + tables)
 
     def floor_kind(self) -> str:
@@ -118,7 +128,7 @@ class Case:
         heads = f"{self.q_heads}/{self.k_heads}"
         return (f"{self.layout}{' packed' if self.packed else ''} {self.batch}x{self.seq} "
                 f"h{heads} d{self.head_dim}{rot} {self.style} {self.dtype} {self.mode} "
-                f"{self.positions} pos")
+                f"{self.positions} pos" + ("" if self.angles == "positions" else f" {self.angles} angles"))
 
     def gpu_targets(self) -> list[Target]:
         """PERF.md "Beyond W1-W5" for this case's size class, then the case's own targets."""
@@ -246,6 +256,20 @@ MATRIX: dict[str, Case] = {c.name: c for c in [
          rotary_dim=64, style="gptj", **_OLD),
     Case("glm4-9b-inplace", "GLM-4-9B prefill in place", batch=1, seq=8192, k_heads=2, rotary_dim=64,
          style="gptj", mode="inplace", **_OLD),
+    # angles given per token (Hugging Face's cos/sin, as a patched model passes them) and mRoPE
+    Case("llama3-8b-hf-tables", "Llama-3-8B prefill, HF per-token cos/sin", batch=2, seq=4096,
+         angles="token"),
+    Case("llama3-8b-hf-tables-train", "Llama-3-8B training, HF per-token cos/sin", batch=2, seq=4096,
+         mode="train", angles="token"),
+    Case("llama3-8b-hf-tables-decode-64", "Llama-3-8B decode, 64 tokens, HF per-token cos/sin",
+         layout="thd", batch=64, positions="random", angles="token"),
+    Case("qwen2-vl-7b-mrope", "Qwen2-VL-7B prefill, mRoPE (28/4)", batch=2, seq=4096, q_heads=28,
+         k_heads=4, angles="mrope", **_QWEN),
+    Case("qwen2-vl-7b-mrope-train", "Qwen2-VL-7B training, mRoPE", batch=1, seq=8192, q_heads=28,
+         k_heads=4, mode="train", angles="mrope", **_QWEN),
+    Case("qwen3-vl-8b-mrope-thd", "Qwen3-VL-8B packed prefill, interleaved mRoPE", layout="thd", batch=4,
+         seq=2048, positions="varlen", angles="mrope", mrope_section=(24, 20, 20), mrope_interleaved=True,
+         **_QWEN),
     # head_dim 256, MQA
     Case("gemma-7b-d256", "Gemma-7B prefill (d256)", batch=2, seq=4096, q_heads=16, k_heads=16,
          head_dim=256, **_OLD),

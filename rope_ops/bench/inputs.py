@@ -143,9 +143,25 @@ def _pos_slice(pos: torch.Tensor, layout: str, batch_index: int, start: int, sto
     return pos[batch_index:batch_index + 1, start:stop]
 
 
-def check_outputs(case: Case, s: InputSet, outputs, inv_freq: torch.Tensor, attention_factor: float) -> str:
+def _half_width(table: torch.Tensor, style: str) -> torch.Tensor:
+    """The r/2 distinct values of a Hugging Face-form row [..., r]."""
+    return table[..., :table.shape[-1] // 2] if style == "neox" else table[..., ::2]
+
+
+def _table_slice(table: torch.Tensor, layout: str, batch_index: int, start: int, stop: int) -> torch.Tensor:
+    """Rows of a per-token table [B or 1, S, w] ([1, T, w] for thd) for _token_slice's tokens."""
+    if layout == "thd":
+        return table[0, start:stop]
+    b = min(batch_index, table.shape[0] - 1)
+    return table[b:b + 1, start:stop]
+
+
+def check_outputs(case: Case, s: InputSet, outputs, inv_freq: torch.Tensor, attention_factor: float,
+                  token_tables=None) -> str:
     """"ok", or "MISMATCH: ..." (first failure). ``s`` holds the inputs as they were before the
-    call; ``outputs`` are (q_out, k_out) in the case's layout, or (dq, dk) for train cases."""
+    call; ``outputs`` are (q_out, k_out) in the case's layout, or (dq, dk) for train cases.
+    ``token_tables``: the per-token (cos, sin) [B or 1, S, r] the call was given (token cases:
+    the reference rotates by those values, as rounded)."""
     if case.train:
         xs, inverse = (s.grad_q, s.grad_k), True
     else:
@@ -159,9 +175,13 @@ def check_outputs(case: Case, s: InputSet, outputs, inv_freq: torch.Tensor, atte
                 return f"MISMATCH: {name} output of shape {None if out is None else tuple(out.shape)}"
             for b, start, stop in ends:
                 xs_ = _token_slice(x, case.layout, b, start, stop)
+                angles = dict(inv_freq=inv_freq, attention_factor=attention_factor)
+                if token_tables is not None:
+                    angles = dict(token_cos_sin=tuple(
+                        _half_width(_table_slice(t, case.layout, b, start, stop), case.style)
+                        for t in token_tables))
                 ref = rope_reference(xs_, _pos_slice(s.pos, case.layout, b, start, stop), layout=case.layout,
-                                     rotary_dim=case.rot, style=case.style, inv_freq=inv_freq,
-                                     attention_factor=attention_factor, inverse=inverse)
+                                     rotary_dim=case.rot, style=case.style, inverse=inverse, **angles)
                 got = _token_slice(out, case.layout, b, start, stop)
                 assert_rope_close(got, ref, xs_, rotary_dim=case.rot, style=case.style, what=name)
         return "ok"

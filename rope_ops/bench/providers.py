@@ -71,29 +71,46 @@ class RopeOps(Provider):
         reasons = registry.availability(backend)
         if reasons:
             raise Skip("; ".join(reasons))
-        s = sets[0]
-        try:
-            rope_ops.select_backend(s.q, s.k, s.pos, rope=rope, layout=case.layout, backend=self.backend,
-                                    inplace=case.inplace)
-        except rope_ops.BackendError as error:
-            raise Skip(" ".join(str(error).split())[:300]) from None
-        options = dict(rope=rope, layout=case.layout, backend=self.backend)
         closures = []
         for s in sets:
+            pos, options = _angle_arguments(case, s, rope)
+            options.update(layout=case.layout, backend=self.backend)
+            if not closures:
+                try:
+                    rope_ops.select_backend(s.q, s.k, pos, inplace=case.inplace, **options)
+                except rope_ops.BackendError as error:
+                    raise Skip(" ".join(str(error).split())[:300]) from None
             if case.train:
                 q, k = _train_leaves(s)
 
-                def run(q=q, k=k, s=s):
-                    q_out, k_out = rope_ops.apply(q, k, s.pos, **options)
+                def run(q=q, k=k, s=s, pos=pos, options=options):
+                    q_out, k_out = rope_ops.apply(q, k, pos, **options)
                     return torch.autograd.grad((q_out, k_out), (q, k), (s.grad_q, s.grad_k))
             elif case.inplace:
-                def run(s=s):
-                    return rope_ops.apply(s.q, s.k, s.pos, inplace=True, **options)
+                def run(s=s, pos=pos, options=options):
+                    return rope_ops.apply(s.q, s.k, pos, inplace=True, **options)
             else:
-                def run(s=s):
-                    return rope_ops.apply(s.q, s.k, s.pos, **options)
+                def run(s=s, pos=pos, options=options):
+                    return rope_ops.apply(s.q, s.k, pos, **options)
             closures.append(run)
         return closures
+
+
+def _angle_arguments(case: Case, s: InputSet, rope) -> tuple:
+    """(pos, apply's angle keywords) of a set: positions with the case's RotaryEmbedding; the
+    peers' per-token tables (pos None); or mRoPE's [3, ...] positions (t = h = w, text tokens),
+    built outside the timed call as a model builds them once per forward pass."""
+    if case.angles == "token":
+        cos, sin = peer_tables(case, s, rope)
+        if case.layout == "thd":
+            cos, sin = cos[0], sin[0]
+        return None, dict(cos_sin=(cos, sin), rotary_dim=case.rot, style=case.style)
+    if case.angles == "mrope":
+        every = s.positions.reshape(-1) if case.layout == "thd" else s.positions
+        pos = every.unsqueeze(0).expand(3, *every.shape).contiguous()
+        return pos, dict(rope=rope, mrope_section=case.mrope_section,
+                         mrope_interleaved=case.mrope_interleaved)
+    return s.pos, dict(rope=rope)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -173,7 +173,9 @@ def _check_and_closures(provider, case, sets, rope):
     fresh = sets[0].fresh()
     before = fresh.fresh()
     outputs = provider.build(case, [fresh], rope)[0]()
-    check = check_outputs(case, before, provider.layout_outputs(case, outputs), rope.inv_freq, rope.attention_factor)
+    tables = providers_mod.peer_tables(case, before, rope) if case.angles == "token" else None
+    check = check_outputs(case, before, provider.layout_outputs(case, outputs), rope.inv_freq,
+                          rope.attention_factor, tables)
     return closures, check
 
 
