@@ -25,6 +25,8 @@
 #   host        tools/host_cost.py: host time per call of each way in (decode and training)
 #   prologue    tools/gpu_cuda_check.py --prologue-only --prologue-timing: the CUDA fused
 #               prologue's cases, then its GPU time against a same-bytes copy and Triton
+#   e2e         examples/hf_end_to_end.py: a Llama's training step, prefill and decode with and
+#               without rope_ops (transformers' rotary code, patch(model), patch(model, exact=True))
 #   candidates  python -m rope_ops bench --candidates --providers cuda: every kernel
 #               configuration of every benchmark case timed next to the policy's choice
 #   bench       python -m rope_ops bench --matrix: W1-W5 and the public matrix, every provider
@@ -127,6 +129,11 @@ fi
 if has prologue; then
   step "CUDA fused prologue: cases and GPU time (against a copy and Triton)"
   timeout "$(left)" python3 tools/gpu_cuda_check.py --prologue-only --prologue-timing 2>&1 | tee "$OUT/prologue_cuda.txt"
+  [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+fi
+if has e2e; then
+  step "end to end: a Llama-3-8B-shaped model (2 layers) with and without rope_ops"
+  timeout "$(left)" python3 examples/hf_end_to_end.py --json "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e.txt"
   [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
 fi
 if has candidates; then
