@@ -250,6 +250,9 @@ BACKWARD_CASES = {
     # a walk label: the backward is a head grid whatever the kind, at the label's sizes
     "qwen3 thd bf16, two q chunks per token block": (dict(lead=(37,)), "qkv",
                                                      "walk t2 hq2 hk1 w1"),
+    # one token per block: 4 blocks per program, the last program's partly past the tokens
+    "thd bf16, several token blocks per program, k grad None": (dict(lead=(41,)), "qv",
+                                                                "grid t1 hq1 hk1 w1"),
     "bshd fp32 gptj partial, q and v grads None": (dict(layout="bshd", lead=(2, 5), hq=2, hk=2,
                                                         D=40, R=24, style="gptj",
                                                         dtype=torch.float32, offset=1.0), "k",

@@ -16,7 +16,7 @@ import torch
 from rope_ops.backend import PrologueArgs, prologue_forward_torch
 
 from . import (_INTERPRET, CallShape, ChunkRules, DeviceInfo, KernelConfig, _angle_pointers,
-               _angle_source, _cdiv, _kernels, _next_pow2, _stand_in, _strides4,
+               _angle_source, _cdiv, _kernels, _next_pow2, _prev_pow2, _stand_in, _strides4,
                candidate_configs, device_info, launch_policy, parse_label, pass_pieces,
                rotary_pieces)
 
@@ -35,10 +35,17 @@ CACHE_NONE, CACHE_SAME, CACHE_SCALED, CACHE_SCALED_GRID = 0, 1, 2, 3  # prologue
 # values per byte moved (training [2, 4096], 32/8 heads, D 128: t4 hq8 hk8, 8 warps).
 PROLOGUE_RULES = ChunkRules(chunk_bytes=8192, chunk_bytes_rotary_only=8192, max_block_h=8,
                             bytes_per_thread=32, walk_bytes_per_thread=64)
+# The backward's programs each take up to MAX_BLOCKS_PER_PROGRAM token blocks of one chunk (block
+# j + 1's loads in flight while block j is finished, and fewer rows of weight-gradient partial
+# sums), while the grid keeps BACKWARD_PROGRAMS_PER_SM programs per SM (at 128 registers and 8
+# warps 2 are resident per SM: 8 waves or more, so the last one's idle share stays small).
+# Training [2, 4096], 32/8 heads, D 128: 4 blocks per program, 3072 programs.
+MAX_BLOCKS_PER_PROGRAM = 8
+BACKWARD_PROGRAMS_PER_SM = 16
 # Registers per thread at most (ptxas's .maxnreg): 16 warps per SM. Left free, ptxas schedules
 # the walk's unrolled chunks' loads early and takes up to 168 (forward, training shapes, sm_90,
-# triton 3.9) without needing them (no spills at 128; tests/test_triton_compile.py checks). The
-# backward's head grid stays under it (105 at the training shapes).
+# triton 3.9) without needing them; the backward, its next block's loads in registers, up to
+# 166 (no spills at 128; tests/test_triton_compile.py checks).
 PROLOGUE_MAX_REGISTERS = 128
 
 
@@ -209,15 +216,15 @@ def forward_launch(args: PrologueArgs, label: str | None = None,
 def backward_launch(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | None = None,
                     max_registers: int | None = PROLOGUE_MAX_REGISTERS) -> PrologueLaunch:
     """The backward's launch, with the grad_qkv it writes and the weight gradients' partial
-    sums (float32 [rows, D]: a row per (token block, q chunk), and per (token block, k chunk);
-    one unwritten row where the weight is None). ``label``: its block sizes and warps (the
-    backward is a head grid whatever the label's kind; None: backward_policy).
+    sums (float32 [rows, D]: a row per (program's token blocks, q chunk), and per (program's
+    token blocks, k chunk); one unwritten row where the weight is None). ``label``: its block
+    sizes and warps (the backward is a head grid whatever the label's kind; None:
+    backward_policy).
 
-    A program per (token block, chunk), each writing its own row of partial sums, rather than
-    programs that loop over token blocks of one chunk to write fewer rows: a program holds one
-    chunk and nothing across iterations (the grid's many programs in flight are the memory
-    parallelism), and the rows cost little (training [2, 4096], 32/8 heads, D 128: 10240 rows,
-    5 MiB written and read back by the host's sum, against 285 MB the kernel moves)."""
+    A program takes several token blocks of one chunk rather than one: it loads block j + 1
+    while finishing block j (a program with one block would wait for its loads, then compute
+    and reduce with none in flight: its reductions cross warps, with barriers), and its
+    weight-gradient sums are reduced over tokens and written once for all its blocks."""
     thd = args.layout == "thd"
     qkv = args.qkv
     hq, hk, d = args.num_q_heads, args.num_kv_heads, args.head_dim
@@ -233,7 +240,11 @@ def backward_launch(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | Non
     block_hk = min(cfg.block_hk, _next_pow2(hk))
     n_blocks = _cdiv(n_tokens, cfg.block_t)
     nqc, nkc = _cdiv(hq, block_hq), _cdiv(hk, block_hk)
-    programs = n_blocks * (nqc + 2 * nkc)
+    target = BACKWARD_PROGRAMS_PER_SM * device_info(qkv.device).sm_count
+    per_program = min(MAX_BLOCKS_PER_PROGRAM,
+                      _prev_pow2(n_blocks * (nqc + 2 * nkc) // target))
+    n_groups = _cdiv(n_blocks, per_program)
+    programs = n_groups * (nqc + 2 * nkc)
     grads, g_strides, contig = [], [], True
     for g in (grad_q, grad_k, grad_v):
         if g is None:
@@ -245,7 +256,7 @@ def backward_launch(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | Non
         contig = contig and st[3] == 1
         grads.append(g4)
         g_strides.append(tuple(st))
-    partials = tuple(torch.empty(n_blocks * chunks if w is not None else 1, d,
+    partials = tuple(torch.empty(n_groups * chunks if w is not None else 1, d,
                                  dtype=torch.float32, device=qkv.device)
                      for w, chunks in ((args.q_weight, nqc), (args.k_weight, nkc)))
     q4 = x3.unflatten(-1, (hq + 2 * hk, d))[:, :, :hq]
@@ -261,7 +272,7 @@ def backward_launch(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | Non
         hq, hk, d, r, bool(args.interleaved), _tok_split(batch, seq), bool(args.rotate),
         *angle_consts, _kernels()["libdevice"], q_norm, k_norm, grad_q is not None,
         grad_k is not None, grad_v is not None, contig,
-        *prologue_pieces(r, d), cfg.block_t, block_hq, block_hk)
+        *prologue_pieces(r, d), cfg.block_t, block_hq, block_hk, per_program)
     return PrologueLaunch(programs, cfg.num_warps, arguments, max_registers, grad_qkv, partials)
 
 

@@ -15,11 +15,12 @@ power-of-two pieces and the other dims in at most three; without rotation every 
 each store (q, k out of place or into qkv, v copied exactly, the cache in its dtype, float8 as
 value / scale).
 
-The backward (``prologue_backward_kernel``) is a head grid, a program per (token block, chunk):
-it recomputes its heads' statistics from the saved input, rotates the output gradients back (the
-transpose: minus the angle), and writes its heads' input gradient (v's is grad_v) into one new
-grad_qkv. The norm weights' gradients are summed per program over its tokens and heads into its
-own float32 row of HEAD_DIM partial sums, which the host adds up: deterministic, no atomics.
+The backward (``prologue_backward_kernel``) is a head grid, a program per (group of token
+blocks, chunk), each walking its blocks with the next block's loads in flight: it recomputes its
+heads' statistics from the saved input, rotates the output gradients back (the transpose: minus
+the angle), and writes its heads' input gradient (v's is grad_v) into one new grad_qkv. The norm
+weights' gradients are summed per program over its tokens and heads into its own float32 row of
+HEAD_DIM partial sums, which the host adds up: deterministic, no atomics.
 """
 
 from __future__ import annotations
@@ -541,70 +542,114 @@ def _store_weight_grads(ptr, axa, aya, axb, ayb, apa, apb, apc, HALF: tl.constex
 
 
 @triton.jit
-def _grid_backward_qk(head_offset: tl.constexpr, x_ptr, row_x, g_ptr, row_g, sg_h, sg_d, dx_ptr,
-                      row_dx, tmask, h0, n_heads, w_ptr, s_w, w_offset, eps, part_ptr, pos_ptr,
-                      cos_ptr, sin_ptr, turns_ptr, b, sq, sp_a, sp_b, sp_s, pos_offset, n_rows,
-                      sc_b, sc_row, ss_b, ss_row, attn_factor, NORM: tl.constexpr,
-                      HAS_G: tl.constexpr, ROTATE: tl.constexpr, G_CONTIG: tl.constexpr,
-                      ANGLES: tl.constexpr, HAS_POS: tl.constexpr, HAS_TURNS: tl.constexpr,
-                      MROPE_S1: tl.constexpr, MROPE_S2: tl.constexpr,
+def _grid_backward_qk(head_offset: tl.constexpr, x_ptr, sx_b, sx_s, g_ptr, sg_b, sg_s, sg_h,
+                      sg_d, dx_ptr, sdx_b, sdx_s, first, n_tokens, seq_len, h0, n_heads, w_ptr,
+                      s_w, w_offset, eps, part_ptr, pos_ptr, cos_ptr, sin_ptr, turns_ptr, sp_a,
+                      sp_b, sp_s, pos_offset, n_rows, sc_b, sc_row, ss_b, ss_row, attn_factor,
+                      NORM: tl.constexpr, HAS_G: tl.constexpr, ROTATE: tl.constexpr,
+                      G_CONTIG: tl.constexpr, ANGLES: tl.constexpr, HAS_POS: tl.constexpr,
+                      HAS_TURNS: tl.constexpr, MROPE_S1: tl.constexpr, MROPE_S2: tl.constexpr,
                       MROPE_INTERLEAVED: tl.constexpr, LIBDEVICE: tl.constexpr,
-                      BT: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr,
-                      ROT_A: tl.constexpr, ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
-                      PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """A backward program of q or k heads: the chunk's output gradient and input loaded before
-    the angles (their latency overlaps the position -> row chain), its input gradient stored
-    into grad_qkv and (NORM) its row of weight-gradient partial sums at part_ptr."""
+                      TOK_SPLIT: tl.constexpr, BLOCKS: tl.constexpr, BT: tl.constexpr,
+                      BH: tl.constexpr, HALF: tl.constexpr, ROT_A: tl.constexpr,
+                      ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      PASS_A: tl.constexpr, PASS_B: tl.constexpr, PASS_C: tl.constexpr,
+                      INTERLEAVED: tl.constexpr):
+    """A backward program of q or k heads: one chunk of token blocks [first, first + BLOCKS).
+    Block j + 1's output gradient and input are loaded before block j is finished (two blocks'
+    loads in flight; block j's angles computed meanwhile), block j's input gradient is stored
+    into grad_qkv, and (NORM) the weight-gradient sums [BLOCK_T, W] gather over the blocks, then
+    go to the program's row of partial sums at part_ptr (tokens summed there)."""
+    axa, aya, axb, ayb, apa, apb, apc = _zero_sums(BT, ROT_A, ROT_B, PASS_A, PASS_B, PASS_C)
     if HAS_G:
+        b, sq, tmask = _tokens(first, n_tokens, seq_len, BT, TOK_SPLIT)
         gxa, gya, gxb, gyb, gpa, gpb, gpc = _load_chunk(
-            g_ptr, row_g, tmask, h0, n_heads, sg_h, sg_d, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM,
-            HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED, G_CONTIG)
+            g_ptr, b * sg_b + sq * sg_s, tmask, h0, n_heads, sg_h, sg_d, BT, BH, HALF, ROT_A,
+            ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED, G_CONTIG)
         xa, ya, xb, yb, pa, pb, pc = gxa, gya, gxb, gyb, gpa, gpb, gpc  # unread without NORM
         if NORM:
             xa, ya, xb, yb, pa, pb, pc = _load_chunk(
-                x_ptr + head_offset, row_x, tmask, h0, n_heads, HEAD_DIM, 1, BT, BH, HALF, ROT_A,
-                ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED, True)
-        ca, sa, cb, sb = eps, eps, eps, eps  # unused without rotation
-        if ROTATE:
-            ca, sa, cb, sb = _angles(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_a,
-                                     sp_b, sp_s, pos_offset, n_rows, sc_b, sc_row, ss_b, ss_row,
-                                     attn_factor, ANGLES, HALF, ROT_A, ROT_B, HAS_POS, HAS_TURNS,
-                                     MROPE_S1, MROPE_S2, MROPE_INTERLEAVED, LIBDEVICE, True)
-        gxa, gya, gxb, gyb, gpa, gpb, gpc, axa, aya, axb, ayb, apa, apb, apc = _backward_qk(
-            gxa, gya, gxb, gyb, gpa, gpb, gpc, xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, w_ptr,
-            s_w, w_offset, eps, NORM, ROTATE, BT, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM,
-            PASS_A, PASS_B, PASS_C, INTERLEAVED)
+                x_ptr + head_offset, b * sx_b + sq * sx_s, tmask, h0, n_heads, HEAD_DIM, 1, BT,
+                BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                INTERLEAVED, True)
+        for j in range(BLOCKS):
+            nb, nsq, nmask = _tokens(first + j + 1, n_tokens, seq_len, BT, TOK_SPLIT)
+            nmask = nmask & (j + 1 < BLOCKS)
+            ngxa, ngya, ngxb, ngyb, ngpa, ngpb, ngpc = _load_chunk(
+                g_ptr, nb * sg_b + nsq * sg_s, nmask, h0, n_heads, sg_h, sg_d, BT, BH, HALF,
+                ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED,
+                G_CONTIG)
+            nxa, nya, nxb, nyb, npa, npb, npc = ngxa, ngya, ngxb, ngyb, ngpa, ngpb, ngpc
+            if NORM:
+                nxa, nya, nxb, nyb, npa, npb, npc = _load_chunk(
+                    x_ptr + head_offset, nb * sx_b + nsq * sx_s, nmask, h0, n_heads, HEAD_DIM, 1,
+                    BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                    INTERLEAVED, True)
+            ca, sa, cb, sb = eps, eps, eps, eps  # unused without rotation
+            if ROTATE:
+                ca, sa, cb, sb = _angles(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask,
+                                         sp_a, sp_b, sp_s, pos_offset, n_rows, sc_b, sc_row,
+                                         ss_b, ss_row, attn_factor, ANGLES, HALF, ROT_A, ROT_B,
+                                         HAS_POS, HAS_TURNS, MROPE_S1, MROPE_S2,
+                                         MROPE_INTERLEAVED, LIBDEVICE, True)
+            dxa, dya, dxb, dyb, dpa, dpb, dpc, sxa, sya, sxb, syb, spa, spb, spc = _backward_qk(
+                gxa, gya, gxb, gyb, gpa, gpb, gpc, xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb,
+                w_ptr, s_w, w_offset, eps, NORM, ROTATE, BT, HALF, ROT_A, ROT_B, ROTARY_DIM,
+                HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
+            axa, aya, axb, ayb = axa + sxa, aya + sya, axb + sxb, ayb + syb
+            apa, apb, apc = apa + spa, apb + spb, apc + spc
+            _store_chunk(dxa, dya, dxb, dyb, dpa, dpb, dpc, dx_ptr + head_offset,
+                         b * sdx_b + sq * sdx_s, tmask, h0, n_heads, HEAD_DIM, 1, BT, BH, HALF,
+                         ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED,
+                         True)
+            b, sq, tmask = nb, nsq, nmask
+            gxa, gya, gxb, gyb, gpa, gpb, gpc = ngxa, ngya, ngxb, ngyb, ngpa, ngpb, ngpc
+            xa, ya, xb, yb, pa, pb, pc = nxa, nya, nxb, nyb, npa, npb, npc
     else:  # a gradient that is None: zeros, and zero weight-gradient sums
-        gxa, gya, gxb, gyb, gpa, gpb, gpc = _zero_head(BT, BH, ROT_A, ROT_B, PASS_A, PASS_B,
+        zxa, zya, zxb, zyb, zpa, zpb, zpc = _zero_head(BT, BH, ROT_A, ROT_B, PASS_A, PASS_B,
                                                        PASS_C)
-        axa, aya, axb, ayb, apa, apb, apc = _zero_sums(BT, ROT_A, ROT_B, PASS_A, PASS_B,
-                                                       PASS_C)
-    _store_chunk(gxa, gya, gxb, gyb, gpa, gpb, gpc, dx_ptr + head_offset, row_dx, tmask, h0,
-                 n_heads, HEAD_DIM, 1, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A,
-                 PASS_B, PASS_C, INTERLEAVED, True)
+        for j in range(BLOCKS):
+            b, sq, tmask = _tokens(first + j, n_tokens, seq_len, BT, TOK_SPLIT)
+            _store_chunk(zxa, zya, zxb, zyb, zpa, zpb, zpc, dx_ptr + head_offset,
+                         b * sdx_b + sq * sdx_s, tmask, h0, n_heads, HEAD_DIM, 1, BT, BH, HALF,
+                         ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED,
+                         True)
     if NORM:
         _store_weight_grads(part_ptr, axa, aya, axb, ayb, apa, apb, apc, HALF, ROT_A, ROT_B,
                             ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
 
 
 @triton.jit
-def _copy_v(g_ptr, row_g, sg_h, sg_d, dx_ptr, row_dx, tmask, h0, n_heads, HAS_G: tl.constexpr,
-            G_CONTIG: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr,
+def _copy_v(g_ptr, sg_b, sg_s, sg_h, sg_d, dx_ptr, sdx_b, sdx_s, first, n_tokens, seq_len, h0,
+            n_heads, HAS_G: tl.constexpr, G_CONTIG: tl.constexpr, TOK_SPLIT: tl.constexpr,
+            BLOCKS: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr,
             ROT_A: tl.constexpr, ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr,
             HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
             PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """grad_qkv's v heads: grad_v as given (zeros when None)."""
+    """grad_qkv's v heads of token blocks [first, first + BLOCKS): grad_v as given (zeros when
+    None), block j + 1 loaded before block j is stored."""
+    b, sq, tmask = _tokens(first, n_tokens, seq_len, BT, TOK_SPLIT)
     if HAS_G:
-        ga, gb, gc, gd, ge, gf, gg = _load_chunk(g_ptr, row_g, tmask, h0, n_heads, sg_h, sg_d,
-                                                 BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM,
-                                                 HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED,
-                                                 G_CONTIG)
+        ga, gb, gc, gd, ge, gf, gg = _load_chunk(g_ptr, b * sg_b + sq * sg_s, tmask, h0, n_heads,
+                                                 sg_h, sg_d, BT, BH, HALF, ROT_A, ROT_B,
+                                                 ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                                                 INTERLEAVED, G_CONTIG)
     else:
         ga, gb, gc, gd, ge, gf, gg = _zero_head(BT, BH, ROT_A, ROT_B, PASS_A, PASS_B, PASS_C)
-    _store_chunk(ga, gb, gc, gd, ge, gf, gg, dx_ptr, row_dx, tmask, h0, n_heads, HEAD_DIM, 1, BT,
-                 BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
-                 INTERLEAVED, True)
+    for j in range(BLOCKS):
+        nb, nsq, nmask = _tokens(first + j + 1, n_tokens, seq_len, BT, TOK_SPLIT)
+        nmask = nmask & (j + 1 < BLOCKS)
+        na, nb_, nc, nd, ne, nf, ng = ga, gb, gc, gd, ge, gf, gg
+        if HAS_G:
+            na, nb_, nc, nd, ne, nf, ng = _load_chunk(
+                g_ptr, nb * sg_b + nsq * sg_s, nmask, h0, n_heads, sg_h, sg_d, BT, BH, HALF,
+                ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED,
+                G_CONTIG)
+        _store_chunk(ga, gb, gc, gd, ge, gf, gg, dx_ptr, b * sdx_b + sq * sdx_s, tmask, h0,
+                     n_heads, HEAD_DIM, 1, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM,
+                     PASS_A, PASS_B, PASS_C, INTERLEAVED, True)
+        b, sq, tmask = nb, nsq, nmask
+        ga, gb, gc, gd, ge, gf, gg = na, nb_, nc, nd, ne, nf, ng
 
 
 @triton.jit(do_not_specialize=["n_tokens", "seq_len", "pos_offset", "n_rows"])
@@ -613,7 +658,7 @@ def prologue_backward_kernel(
     x_ptr, dx_ptr, gq_ptr, gk_ptr, gv_ptr, n_tokens, seq_len, sx_b, sx_s, sdx_b, sdx_s,
     sgq_b, sgq_s, sgq_h, sgq_d, sgk_b, sgk_s, sgk_h, sgk_d, sgv_b, sgv_s, sgv_h, sgv_d,
     # the norm, and the weight gradients' partial sums: float32 rows of HEAD_DIM, one per
-    # (token block, q chunk) and per (token block, k chunk)
+    # (program's token blocks, q chunk) and per (program's token blocks, k chunk)
     qw_ptr, kw_ptr, s_qw, s_kw, eps, w_offset, dqw_ptr, dkw_ptr,
     # the angle source, as rope_kernel's
     pos_ptr, cos_ptr, sin_ptr, turns_ptr, pos_offset, attn_factor, n_rows, sp_b, sp_s,
@@ -627,8 +672,10 @@ def prologue_backward_kernel(
     HAS_GQ: tl.constexpr, HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, G_CONTIG: tl.constexpr,
     ROT_A: tl.constexpr, ROT_B: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
     PASS_C: tl.constexpr,
-    # the launch configuration: a head grid, a program per (token block, chunk)
+    # the launch configuration: a head grid, a program per (BLOCKS_PER_PROGRAM token blocks,
+    # chunk)
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr,
 ):
     HALF: tl.constexpr = ROTARY_DIM // 2
     NQC: tl.constexpr = (HQ + BLOCK_HQ - 1) // BLOCK_HQ
@@ -638,31 +685,32 @@ def prologue_backward_kernel(
     # The chunk index fastest: adjacent programs read and write adjacent memory.
     pid = tl.program_id(0)
     ci = pid % NC
-    block = pid // NC
-    b, sq, tmask = _tokens(block, n_tokens, seq_len, BLOCK_T, TOK_SPLIT)
-    row_x = b * sx_b + sq * sx_s
-    row_dx = b * sdx_b + sq * sdx_s
+    group = pid // NC
+    first = group * BLOCKS_PER_PROGRAM
     if ci < NQC:
-        _grid_backward_qk(0, x_ptr, row_x, gq_ptr, b * sgq_b + sq * sgq_s, sgq_h, sgq_d, dx_ptr,
-                          row_dx, tmask, ci * BLOCK_HQ, HQ, qw_ptr, s_qw, w_offset, eps,
-                          dqw_ptr + (block.to(tl.int64) * NQC + ci) * HEAD_DIM, pos_ptr,
-                          cos_ptr, sin_ptr, turns_ptr, b, sq, sp_a, sp_b, sp_s, pos_offset,
-                          n_rows, sc_b, sc_row, ss_b, ss_row, attn_factor, Q_NORM, HAS_GQ,
-                          ROTATE, G_CONTIG, ANGLES, HAS_POS, HAS_TURNS, MROPE_S1, MROPE_S2,
-                          MROPE_INTERLEAVED, LIBDEVICE, BLOCK_T, BLOCK_HQ, HALF, ROT_A, ROT_B,
-                          ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
+        _grid_backward_qk(0, x_ptr, sx_b, sx_s, gq_ptr, sgq_b, sgq_s, sgq_h, sgq_d, dx_ptr,
+                          sdx_b, sdx_s, first, n_tokens, seq_len, ci * BLOCK_HQ, HQ, qw_ptr,
+                          s_qw, w_offset, eps,
+                          dqw_ptr + (group.to(tl.int64) * NQC + ci) * HEAD_DIM, pos_ptr,
+                          cos_ptr, sin_ptr, turns_ptr, sp_a, sp_b, sp_s, pos_offset, n_rows,
+                          sc_b, sc_row, ss_b, ss_row, attn_factor, Q_NORM, HAS_GQ, ROTATE,
+                          G_CONTIG, ANGLES, HAS_POS, HAS_TURNS, MROPE_S1, MROPE_S2,
+                          MROPE_INTERLEAVED, LIBDEVICE, TOK_SPLIT, BLOCKS_PER_PROGRAM, BLOCK_T,
+                          BLOCK_HQ, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
+                          PASS_C, INTERLEAVED)
     elif ci < NQC + NKC:
-        _grid_backward_qk(HQ * HEAD_DIM, x_ptr, row_x, gk_ptr, b * sgk_b + sq * sgk_s, sgk_h,
-                          sgk_d, dx_ptr, row_dx, tmask, (ci - NQC) * BLOCK_HK, HK, kw_ptr, s_kw,
-                          w_offset, eps,
-                          dkw_ptr + (block.to(tl.int64) * NKC + (ci - NQC)) * HEAD_DIM, pos_ptr,
-                          cos_ptr, sin_ptr, turns_ptr, b, sq, sp_a, sp_b, sp_s, pos_offset,
-                          n_rows, sc_b, sc_row, ss_b, ss_row, attn_factor, K_NORM, HAS_GK,
-                          ROTATE, G_CONTIG, ANGLES, HAS_POS, HAS_TURNS, MROPE_S1, MROPE_S2,
-                          MROPE_INTERLEAVED, LIBDEVICE, BLOCK_T, BLOCK_HK, HALF, ROT_A, ROT_B,
-                          ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
+        _grid_backward_qk(HQ * HEAD_DIM, x_ptr, sx_b, sx_s, gk_ptr, sgk_b, sgk_s, sgk_h, sgk_d,
+                          dx_ptr, sdx_b, sdx_s, first, n_tokens, seq_len, (ci - NQC) * BLOCK_HK,
+                          HK, kw_ptr, s_kw, w_offset, eps,
+                          dkw_ptr + (group.to(tl.int64) * NKC + (ci - NQC)) * HEAD_DIM, pos_ptr,
+                          cos_ptr, sin_ptr, turns_ptr, sp_a, sp_b, sp_s, pos_offset, n_rows,
+                          sc_b, sc_row, ss_b, ss_row, attn_factor, K_NORM, HAS_GK, ROTATE,
+                          G_CONTIG, ANGLES, HAS_POS, HAS_TURNS, MROPE_S1, MROPE_S2,
+                          MROPE_INTERLEAVED, LIBDEVICE, TOK_SPLIT, BLOCKS_PER_PROGRAM, BLOCK_T,
+                          BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
+                          PASS_C, INTERLEAVED)
     else:
-        _copy_v(gv_ptr, b * sgv_b + sq * sgv_s, sgv_h, sgv_d, dx_ptr + (HQ + HK) * HEAD_DIM,
-                row_dx, tmask, (ci - NQC - NKC) * BLOCK_HK, HK, HAS_GV, G_CONTIG, BLOCK_T,
-                BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
-                INTERLEAVED)
+        _copy_v(gv_ptr, sgv_b, sgv_s, sgv_h, sgv_d, dx_ptr + (HQ + HK) * HEAD_DIM, sdx_b, sdx_s,
+                first, n_tokens, seq_len, (ci - NQC - NKC) * BLOCK_HK, HK, HAS_GV, G_CONTIG,
+                TOK_SPLIT, BLOCKS_PER_PROGRAM, BLOCK_T, BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM,
+                HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
