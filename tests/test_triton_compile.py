@@ -144,11 +144,7 @@ SCRIPT = textwrap.dedent(r'''
     def compile_prologue(pargs, backward):
         """Compile the prologue variant run_prologue(_backward) would launch (the policy's
         configuration for the H200, its register cap)."""
-        shape = tp.prologue_shape(pargs)
-        if backward:
-            label = tp.backward_policy(shape, H200).label()
-        else:
-            label = tb.launch_policy(shape, H200, rules=tp.PROLOGUE_RULES).label()
+        label = tb.launch_policy(tp.prologue_shape(pargs), H200, rules=tp.PROLOGUE_RULES).label()
         if backward:
             g = [torch.empty(*pargs.qkv.shape[:-1], h, pargs.head_dim, dtype=pargs.qkv.dtype)
                  for h in (pargs.num_q_heads, pargs.num_kv_heads, pargs.num_kv_heads)]

@@ -602,7 +602,7 @@ def check_prologue(pc: PrologueCase) -> dict:
     inp = PrologueInputs(pc, 1, DEVICE)
     args, grads = inp.sets[0]
     dtype, R = pc.torch_dtype, pc.rotary
-    row = {"case": pc.name, "policy": prologue_policy_label(args, pc.backward)}
+    row = {"case": pc.name, "policy": tp.prologue_candidates(args)[0]}
     before = args.qkv.clone()
     tp.run_prologue(args)
     w64 = [None if w is None else w.double().requires_grad_(pc.backward) for w in inp.weights]
@@ -663,21 +663,8 @@ def prologue_n_sets(pc: PrologueCase) -> int:
     return max(2, min(64, math.ceil(L2_ROTATION_BYTES / max(pc.data_bytes(), 1))))
 
 
-def prologue_policy_label(args, backward: bool) -> str:
-    """The forward policy's label, and the backward's (always a head grid) for training cases."""
-    from rope_ops_backends.triton_backend import prologue as tp
-
-    label = tp.prologue_candidates(args)[0]
-    if backward:
-        bwd = tp.backward_policy(tp.prologue_shape(args), tb.device_info(args.qkv.device))
-        label += f" / bwd {bwd.label()}"
-    return label
-
-
 def prologue_fns(inp: PrologueInputs, label=None, max_registers="policy") -> list:
-    """The timed calls of a prologue case, one per input set (forward, then the backward). A
-    label sets both the forward's configuration and the backward's block sizes and warps (the
-    backward is a head grid whatever its kind)."""
+    """The timed calls of a prologue case, one per input set (forward, then the backward)."""
     from rope_ops_backends.triton_backend import prologue as tp
 
     cap = tp.PROLOGUE_MAX_REGISTERS if max_registers == "policy" else max_registers
@@ -728,8 +715,7 @@ def time_prologue(pc: PrologueCase, study: bool, deadline: float) -> dict:
     us = graph_us(prologue_fns(inp))
     labels = tp.prologue_candidates(inp.sets[0][0])
     row = {"case": pc.name, "MB": round(moved / 1e6, 1), "us": round(us, 2),
-           "copy_us": round(copy, 2), "pct_copy": round(100 * copy / us, 1),
-           "policy": prologue_policy_label(inp.sets[0][0], pc.backward)}
+           "copy_us": round(copy, 2), "pct_copy": round(100 * copy / us, 1), "policy": labels[0]}
     row["no_register_cap_us"] = round(graph_us(prologue_fns(inp, max_registers=None), iters=3), 2)
     if not pc.backward and not pc.cache and not pc.inplace:
         row["unfused_us"] = round(graph_us(unfused_fns(inp), iters=3), 2)

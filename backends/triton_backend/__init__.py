@@ -182,13 +182,12 @@ ROPE_RULES = ChunkRules()
 
 
 def launch_policy(shape: CallShape, device: DeviceInfo, narrow_heads: bool = True,
-                  rules: ChunkRules = ROPE_RULES, grid_only: bool = False) -> KernelConfig:
+                  rules: ChunkRules = ROPE_RULES) -> KernelConfig:
     """The kernel configuration for a call. A chunk moves rules.chunk_bytes: heads per chunk the
     widest power of two that pads little, then tokens to fill it. The token walk when its
-    programs fill the GPU (never with grid_only: the fused prologue's backward has no walk);
-    else the head grid, with fewer tokens per program (and, unless narrow_heads is False,
-    narrower chunks) until it has enough programs. Warps by chunk bytes. The fused prologue has
-    its own rules (prologue.PROLOGUE_RULES)."""
+    programs fill the GPU; else the head grid, with fewer tokens per program (and, unless
+    narrow_heads is False, narrower chunks) until it has enough programs. Warps by chunk bytes.
+    The fused prologue has its own rules (prologue.PROLOGUE_RULES)."""
     head_bytes = _head_bytes(shape)
     rotary_only = shape.inplace and shape.rotary_dim < shape.head_dim
     chunk = rules.chunk_bytes_rotary_only if rotary_only else rules.chunk_bytes
@@ -197,8 +196,7 @@ def launch_policy(shape: CallShape, device: DeviceInfo, narrow_heads: bool = Tru
     bhk = _heads_per_chunk(shape.k_heads, cap) if shape.k_heads else 1
     bt = _prev_pow2(max(1, min(MAX_BLOCK_T, chunk // (bhq * head_bytes),
                                _next_pow2(shape.n_tokens))))
-    head_grid = grid_only or \
-        _programs(shape, bt, bhq, bhk, False) < WALK_PROGRAMS_PER_SM * device.sm_count
+    head_grid = _programs(shape, bt, bhq, bhk, False) < WALK_PROGRAMS_PER_SM * device.sm_count
     if head_grid:
         target = GRID_PROGRAMS_PER_SM * device.sm_count
         while bt > 1 and _programs(shape, bt, bhq, bhk, True) < target:

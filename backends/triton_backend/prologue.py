@@ -15,13 +15,16 @@ import torch
 
 from rope_ops.backend import PrologueArgs, prologue_forward_torch
 
-from . import (_INTERPRET, CallShape, ChunkRules, DeviceInfo, KernelConfig, _angle_pointers,
-               _angle_source, _cdiv, _kernels, _next_pow2, _prev_pow2, _stand_in, _strides4,
-               candidate_configs, device_info, launch_policy, parse_label, pass_pieces,
-               rotary_pieces)
+from . import (_INTERPRET, WALK_PROGRAMS_PER_SM, CallShape, ChunkRules, KernelConfig,
+               _angle_pointers, _angle_source, _cdiv, _kernels, _next_pow2, _prev_pow2,
+               _stand_in, _strides4, candidate_configs, device_info, launch_policy, parse_label,
+               pass_pieces, rotary_pieces)
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 CACHE_NONE, CACHE_SAME, CACHE_SCALED, CACHE_SCALED_GRID = 0, 1, 2, 3  # prologue_kernels.CACHE_*
+# The backward's programs each take up to this many token blocks (fewer rows of weight-gradient
+# partial sums to write and add up), keeping WALK_PROGRAMS_PER_SM programs per SM.
+MAX_BLOCKS_PER_PROGRAM = 16
 # The launch policy's rules for the prologue: a chunk holds whole heads in float32 through the
 # norm, the rotation and (backward) the input and its gradient at once, so twice the threads of
 # the rope kernel per chunk byte and half its chunk (sm_90 compile, W1 shapes, triton 3.9: 16
@@ -30,22 +33,11 @@ CACHE_NONE, CACHE_SAME, CACHE_SCALED, CACHE_SCALED_GRID = 0, 1, 2, 3  # prologue
 # every candidate timed in one run: prefill QK-norm 108.1 us with 4 warps per 8 KiB chunk against
 # 126.7 with 8, in place 93.9 against 106.6, training fwd+bwd 324.0 against 521.5; decode with a
 # cache 4.71 us with 4 warps per 4 KiB chunk against 4.77 with 2 (5.85 against 4.82 with fp8)).
-# The backward is always a head grid (backward_policy), so it takes the head grid's 32 bytes per
-# thread: its chunk holds the gradient and the input in float32 at once, twice the forward's
-# values per byte moved (training [2, 4096], 32/8 heads, D 128: t4 hq8 hk8, 8 warps).
 PROLOGUE_RULES = ChunkRules(chunk_bytes=8192, chunk_bytes_rotary_only=8192, max_block_h=8,
                             bytes_per_thread=32, walk_bytes_per_thread=64)
-# The backward's programs each take up to MAX_BLOCKS_PER_PROGRAM token blocks of one chunk (block
-# j + 1's loads in flight while block j is finished, and fewer rows of weight-gradient partial
-# sums), while the grid keeps BACKWARD_PROGRAMS_PER_SM programs per SM (at 128 registers and 8
-# warps 2 are resident per SM: 8 waves or more, so the last one's idle share stays small).
-# Training [2, 4096], 32/8 heads, D 128: 4 blocks per program, 3072 programs.
-MAX_BLOCKS_PER_PROGRAM = 8
-BACKWARD_PROGRAMS_PER_SM = 16
 # Registers per thread at most (ptxas's .maxnreg): 16 warps per SM. Left free, ptxas schedules
-# the walk's unrolled chunks' loads early and takes up to 168 (forward, training shapes, sm_90,
-# triton 3.9) without needing them; the backward, its next block's loads in registers, up to
-# 166 (no spills at 128; tests/test_triton_compile.py checks).
+# the unrolled chunks' loads early and takes up to 204 (backward, W4 shapes) without needing
+# them (no spills at 128; tests/test_triton_compile.py checks).
 PROLOGUE_MAX_REGISTERS = 128
 
 
@@ -70,15 +62,9 @@ def prologue_shape(args: PrologueArgs) -> CallShape:
 
 
 def prologue_policy(args: PrologueArgs) -> KernelConfig:
-    """The forward's configuration."""
+    """The configuration of the forward and the backward (which walks tokens whatever it says
+    about the grid)."""
     return launch_policy(prologue_shape(args), device_info(args.qkv.device), rules=PROLOGUE_RULES)
-
-
-def backward_policy(shape: CallShape, device: DeviceInfo) -> KernelConfig:
-    """The backward's configuration: the policy's head grid, a program per (token block, chunk).
-    Its block sizes are the forward's wherever the forward walks (the walk is chosen only with
-    programs to spare, so the grid needs no narrowing), its warps the head grid's."""
-    return launch_policy(shape, device, rules=PROLOGUE_RULES, grid_only=True)
 
 
 def prologue_candidates(args: PrologueArgs) -> list[str]:
@@ -138,9 +124,9 @@ def _config(args: PrologueArgs, label: str | None) -> KernelConfig:
 
 
 class PrologueLaunch(NamedTuple):
-    """One launch of a prologue kernel: grid size (0: nothing to launch), warps, the kernel's
-    arguments in signature order (constexprs included, as triton takes them), and the tensors
-    it writes that the caller returns."""
+    """One launch of a prologue kernel: grid size, warps, the kernel's arguments in signature
+    order (constexprs included, as triton takes them), and the tensors it writes that the
+    caller returns."""
 
     programs: int
     num_warps: int
@@ -216,15 +202,7 @@ def forward_launch(args: PrologueArgs, label: str | None = None,
 def backward_launch(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | None = None,
                     max_registers: int | None = PROLOGUE_MAX_REGISTERS) -> PrologueLaunch:
     """The backward's launch, with the grad_qkv it writes and the weight gradients' partial
-    sums (float32 [rows, D]: a row per (program's token blocks, q chunk), and per (program's
-    token blocks, k chunk); one unwritten row where the weight is None). ``label``: its block
-    sizes and warps (the backward is a head grid whatever the label's kind; None:
-    backward_policy).
-
-    A program takes several token blocks of one chunk rather than one: it loads block j + 1
-    while finishing block j (a program with one block would wait for its loads, then compute
-    and reduce with none in flight: its reductions cross warps, with barriers), and its
-    weight-gradient sums are reduced over tokens and written once for all its blocks."""
+    sums ([programs, D] float32, one row per program)."""
     thd = args.layout == "thd"
     qkv = args.qkv
     hq, hk, d = args.num_q_heads, args.num_kv_heads, args.head_dim
@@ -232,19 +210,13 @@ def backward_launch(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | Non
     x3, dx3 = _as_bs(qkv, thd), _as_bs(grad_qkv, thd)
     batch, seq = x3.shape[0], x3.shape[1]
     n_tokens = batch * seq
-    if label is not None:
-        cfg = parse_label(label)
-    else:
-        cfg = backward_policy(prologue_shape(args), device_info(qkv.device))
+    cfg = _config(args, label)
     block_hq = min(cfg.block_hq, _next_pow2(hq))
     block_hk = min(cfg.block_hk, _next_pow2(hk))
     n_blocks = _cdiv(n_tokens, cfg.block_t)
-    nqc, nkc = _cdiv(hq, block_hq), _cdiv(hk, block_hk)
-    target = BACKWARD_PROGRAMS_PER_SM * device_info(qkv.device).sm_count
-    per_program = min(MAX_BLOCKS_PER_PROGRAM,
-                      _prev_pow2(n_blocks * (nqc + 2 * nkc) // target))
-    n_groups = _cdiv(n_blocks, per_program)
-    programs = n_groups * (nqc + 2 * nkc)
+    target = WALK_PROGRAMS_PER_SM * device_info(qkv.device).sm_count
+    per_program = min(MAX_BLOCKS_PER_PROGRAM, _prev_pow2(max(1, n_blocks // target)))
+    programs = max(1, _cdiv(n_blocks, per_program))
     grads, g_strides, contig = [], [], True
     for g in (grad_q, grad_k, grad_v):
         if g is None:
@@ -256,9 +228,8 @@ def backward_launch(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | Non
         contig = contig and st[3] == 1
         grads.append(g4)
         g_strides.append(tuple(st))
-    partials = tuple(torch.empty(n_groups * chunks if w is not None else 1, d,
-                                 dtype=torch.float32, device=qkv.device)
-                     for w, chunks in ((args.q_weight, nqc), (args.k_weight, nkc)))
+    partials = tuple(torch.empty(programs if w is not None else 1, d, dtype=torch.float32,
+                                 device=qkv.device) for w in (args.q_weight, args.k_weight))
     q4 = x3.unflatten(-1, (hq + 2 * hk, d))[:, :, :hq]
     angle_ptrs, angle_ints, angle_consts = _angle_arguments(args, q4)
     qw, s_qw, q_norm = _weight(args.q_weight, qkv)
@@ -296,11 +267,9 @@ def run_prologue_backward(args: PrologueArgs, grad_q, grad_k, grad_v, label: str
     """(grad_qkv, grad of q_weight, grad of k_weight): the weight gradients float32 [D], None
     where the weight is None. args.qkv is the forward's input; grads may be None (zero)."""
     launch = backward_launch(args, grad_q, grad_k, grad_v, label, max_registers)
-    if launch.programs:
-        with _on_device(args.qkv.device):
-            _kernels()["prologue_kernels"].prologue_backward_kernel[(launch.programs,)](
-                *launch.arguments, **launch.options())
-    # The rows in a fixed order, summed by one reduction: deterministic (no atomics).
+    with _on_device(args.qkv.device):
+        _kernels()["prologue_kernels"].prologue_backward_kernel[(launch.programs,)](
+            *launch.arguments, **launch.options())
     weight_grads = [None if w is None else p.sum(0)
                     for w, p in zip((args.q_weight, args.k_weight), launch.partials)]
     return launch.grad_qkv, weight_grads[0], weight_grads[1]

@@ -6,8 +6,8 @@ Hk k heads, Hk v heads, each HEAD_DIM contiguous elements) and walks their heads
 (``prologue_kernel``'s token walk), or owns one chunk (its head grid, for calls too small to
 fill the GPU with token blocks). A chunk holds whole heads: the norm's sum of squares is a
 ``tl.sum`` over the head's pieces in registers. The angles of the program's tokens are computed
-once (kernels._angles, every ANGLES kind) and reused for all their heads; the norm weights are
-loaded for each chunk (L1 hits).
+once (kernels._angles, every ANGLES kind) and reused for all their heads, as are the norm
+weights, loaded once per program.
 
 A head is held as the rope kernel's pieces (kernels.py): its rotary pairs in at most two
 power-of-two pieces and the other dims in at most three; without rotation every dim is a
@@ -15,12 +15,11 @@ power-of-two pieces and the other dims in at most three; without rotation every 
 each store (q, k out of place or into qkv, v copied exactly, the cache in its dtype, float8 as
 value / scale).
 
-The backward (``prologue_backward_kernel``) is a head grid, a program per (group of token
-blocks, chunk), each walking its blocks with the next block's loads in flight: it recomputes its
-heads' statistics from the saved input, rotates the output gradients back (the transpose: minus
-the angle), and writes its heads' input gradient (v's is grad_v) into one new grad_qkv. The norm
-weights' gradients are summed per program over its tokens and heads into its own float32 row of
-HEAD_DIM partial sums, which the host adds up: deterministic, no atomics.
+The backward (``prologue_backward_kernel``) recomputes each head's statistics from the saved
+input, rotates the output gradients back (the transpose: minus the angle), and writes the input
+gradient of every head (v's is grad_v) into one new grad_qkv. The norm weights' gradients are
+summed per program over its tokens and heads (several token blocks each) into rows of a float32
+[programs, HEAD_DIM] buffer, which the host sums: deterministic, no atomics.
 """
 
 from __future__ import annotations
@@ -433,7 +432,7 @@ def _grid_qk(head_offset: tl.constexpr, x_ptr, row_x, out_ptr, row_out, so_h, tm
 
 @triton.jit
 def _zeros_like_piece(BT: tl.constexpr, W: tl.constexpr):
-    """A weight-gradient sum [BLOCK_T, W] of zeros (a placeholder [BLOCK_T, 1] for W 0)."""
+    """A weight-gradient accumulator [BLOCK_T, W] (a placeholder [BLOCK_T, 1] for W 0)."""
     if W > 0:
         z = tl.zeros([BT, W], tl.float32)
     else:
@@ -442,77 +441,80 @@ def _zeros_like_piece(BT: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _zero_sums(BT: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr, PASS_A: tl.constexpr,
-               PASS_B: tl.constexpr, PASS_C: tl.constexpr):
-    """Weight-gradient sums of zeros, shaped as _backward_qk returns them."""
-    za = _zeros_like_piece(BT, ROT_A)
-    zb = _zeros_like_piece(BT, ROT_B)
-    return (za, za, zb, zb, _zeros_like_piece(BT, PASS_A), _zeros_like_piece(BT, PASS_B),
-            _zeros_like_piece(BT, PASS_C))
-
-
-@triton.jit
 def _column_sum(x):
-    """[BLOCK_T, W]: the sum of x [BLOCK_T, BH, W] over heads (tokens are summed at the store)."""
+    """[BLOCK_T, W]: the sum of x [BLOCK_T, BH, W] over heads (tokens are summed at the end)."""
     return tl.sum(x, axis=1)
 
 
 @triton.jit
-def _backward_qk(gxa, gya, gxb, gyb, gpa, gpb, gpc, xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb,
-                 w_ptr, s_w, w_offset, eps, NORM: tl.constexpr, ROTATE: tl.constexpr,
-                 BT: tl.constexpr, HALF: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr,
+def _backward_qk(x_ptr, row_x, g_ptr, row_g, sg_h, sg_d, dx_ptr, row_dx, tmask, h0, n_heads,
+                 ca, sa, cb, sb, w_ptr, s_w, w_offset, eps,
+                 axa, aya, axb, ayb, apa, apb, apc, NORM: tl.constexpr, HAS_G: tl.constexpr,
+                 ROTATE: tl.constexpr, G_CONTIG: tl.constexpr, BT: tl.constexpr,
+                 BH: tl.constexpr, HALF: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr,
                  ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr,
                  PASS_B: tl.constexpr, PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Input gradient of a chunk of q or k heads, from its output gradient g and (NORM) its
-    input x, both as _load_chunk's pieces in their dtypes (ca, sa, cb, sb: the inverse angles).
-    Returns the gradient's pieces (float32), then the chunk's sums over heads of g * normalised
-    x, [BLOCK_T, W] per piece (placeholders without NORM)."""
-    gxa, gya, gxb, gyb = _f32(gxa), _f32(gya), _f32(gxb), _f32(gyb)
-    gpa, gpb, gpc = _f32(gpa), _f32(gpb), _f32(gpc)
-    if ROTATE:  # the rotation's transpose
-        gxa, gya = _rotate_pairs(gxa, gya, ca, sa)
-        if ROT_B > 0:
-            gxb, gyb = _rotate_pairs(gxb, gyb, cb, sb)
-    axa, aya, axb, ayb, apa, apb, apc = _zero_sums(BT, ROT_A, ROT_B, PASS_A, PASS_B, PASS_C)
-    if NORM:
+    """Input gradient of a chunk of q or k heads, stored into grad_qkv; returns the weight
+    gradient accumulators (a*) plus this chunk's sums of g * normalised x."""
+    if NORM:  # loaded per chunk (L1 hits), as in the forward
         wxa, wya, wxb, wyb, wpa, wpb, wpc = _weights(w_ptr, s_w, w_offset, HALF, ROT_A, ROT_B,
                                                      ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
                                                      PASS_C, INTERLEAVED)
-        xa, ya, xb, yb = _f32(xa), _f32(ya), _f32(xb), _f32(yb)
-        pa, pb, pc = _f32(pa), _f32(pb), _f32(pc)
-        rstd = _rstd(xa, ya, xb, yb, pa, pb, pc, eps, HEAD_DIM, ROT_A, ROT_B, PASS_A, PASS_B,
-                     PASS_C)
-        r3 = rstd[:, :, None]
-        # n = x rstd; the weight's gradient sums g n; with gn = g (offset + w),
-        # dx = rstd (gn - n mean(gn n)).
-        xa, ya, xb, yb = xa * r3, ya * r3, xb * r3, yb * r3
-        pa, pb, pc = pa * r3, pb * r3, pc * r3
-        if ROT_A > 0:
-            axa = _column_sum(gxa * xa)
-            aya = _column_sum(gya * ya)
-            gxa = gxa * wxa[None, None, :]
-            gya = gya * wya[None, None, :]
-        if ROT_B > 0:
-            axb = _column_sum(gxb * xb)
-            ayb = _column_sum(gyb * yb)
-            gxb = gxb * wxb[None, None, :]
-            gyb = gyb * wyb[None, None, :]
-        if PASS_A > 0:
-            apa = _column_sum(gpa * pa)
-            gpa = gpa * wpa[None, None, :]
-        if PASS_B > 0:
-            apb = _column_sum(gpb * pb)
-            gpb = gpb * wpb[None, None, :]
-        if PASS_C > 0:
-            apc = _column_sum(gpc * pc)
-            gpc = gpc * wpc[None, None, :]
-        dot = _head_sum(gxa * xa, gya * ya, gxb * xb, gyb * yb, gpa * pa, gpb * pb, gpc * pc,
-                        ROT_A, ROT_B, PASS_A, PASS_B, PASS_C)
-        mean = tl.div_rn(dot, tl.full(dot.shape, HEAD_DIM, tl.float32))[:, :, None]
-        gxa, gya = r3 * (gxa - xa * mean), r3 * (gya - ya * mean)
-        gxb, gyb = r3 * (gxb - xb * mean), r3 * (gyb - yb * mean)
-        gpa, gpb, gpc = r3 * (gpa - pa * mean), r3 * (gpb - pb * mean), r3 * (gpc - pc * mean)
-    return gxa, gya, gxb, gyb, gpa, gpb, gpc, axa, aya, axb, ayb, apa, apb, apc
+    if HAS_G:
+        gxa, gya, gxb, gyb, gpa, gpb, gpc = _load_chunk(
+            g_ptr, row_g, tmask, h0, n_heads, sg_h, sg_d, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM,
+            HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED, G_CONTIG)
+        gxa, gya, gxb, gyb = _f32(gxa), _f32(gya), _f32(gxb), _f32(gyb)
+        gpa, gpb, gpc = _f32(gpa), _f32(gpb), _f32(gpc)
+        if ROTATE:  # the rotation's transpose: ca, sa, cb, sb are the inverse angles
+            gxa, gya = _rotate_pairs(gxa, gya, ca, sa)
+            if ROT_B > 0:
+                gxb, gyb = _rotate_pairs(gxb, gyb, cb, sb)
+        if NORM:
+            xa, ya, xb, yb, pa, pb, pc = _load_chunk(
+                x_ptr, row_x, tmask, h0, n_heads, HEAD_DIM, 1, BT, BH, HALF, ROT_A, ROT_B,
+                ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED, True)
+            xa, ya, xb, yb = _f32(xa), _f32(ya), _f32(xb), _f32(yb)
+            pa, pb, pc = _f32(pa), _f32(pb), _f32(pc)
+            rstd = _rstd(xa, ya, xb, yb, pa, pb, pc, eps, HEAD_DIM, ROT_A, ROT_B, PASS_A,
+                         PASS_B, PASS_C)
+            r3 = rstd[:, :, None]
+            # n = x rstd; the weight's gradient sums g n; with gn = g (offset + w),
+            # dx = rstd (gn - n mean(gn n)).
+            xa, ya, xb, yb = xa * r3, ya * r3, xb * r3, yb * r3
+            pa, pb, pc = pa * r3, pb * r3, pc * r3
+            if ROT_A > 0:
+                axa += _column_sum(gxa * xa)
+                aya += _column_sum(gya * ya)
+                gxa = gxa * wxa[None, None, :]
+                gya = gya * wya[None, None, :]
+            if ROT_B > 0:
+                axb += _column_sum(gxb * xb)
+                ayb += _column_sum(gyb * yb)
+                gxb = gxb * wxb[None, None, :]
+                gyb = gyb * wyb[None, None, :]
+            if PASS_A > 0:
+                apa += _column_sum(gpa * pa)
+                gpa = gpa * wpa[None, None, :]
+            if PASS_B > 0:
+                apb += _column_sum(gpb * pb)
+                gpb = gpb * wpb[None, None, :]
+            if PASS_C > 0:
+                apc += _column_sum(gpc * pc)
+                gpc = gpc * wpc[None, None, :]
+            dot = _head_sum(gxa * xa, gya * ya, gxb * xb, gyb * yb, gpa * pa, gpb * pb, gpc * pc,
+                            ROT_A, ROT_B, PASS_A, PASS_B, PASS_C)
+            mean = tl.div_rn(dot, tl.full(dot.shape, HEAD_DIM, tl.float32))[:, :, None]
+            gxa, gya = r3 * (gxa - xa * mean), r3 * (gya - ya * mean)
+            gxb, gyb = r3 * (gxb - xb * mean), r3 * (gyb - yb * mean)
+            gpa, gpb, gpc = r3 * (gpa - pa * mean), r3 * (gpb - pb * mean), r3 * (gpc - pc * mean)
+    else:
+        gxa, gya, gxb, gyb, gpa, gpb, gpc = _zero_head(BT, BH, ROT_A, ROT_B, PASS_A, PASS_B,
+                                                       PASS_C)
+    _store_chunk(gxa, gya, gxb, gyb, gpa, gpb, gpc, dx_ptr, row_dx, tmask, h0, n_heads, HEAD_DIM,
+                 1, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                 INTERLEAVED, True)
+    return axa, aya, axb, ayb, apa, apb, apc
 
 
 @triton.jit
@@ -520,8 +522,8 @@ def _store_weight_grads(ptr, axa, aya, axb, ayb, apa, apb, apc, HALF: tl.constex
                         ROT_A: tl.constexpr, ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr,
                         HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
                         PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """The program's row of weight-gradient partial sums (the sums [BLOCK_T, W] added over
-    their tokens), each piece at its head dims."""
+    """The program's row of weight-gradient partial sums (the accumulators [BLOCK_T, W] summed
+    over their tokens), each piece at its head dims."""
     if ROT_A > 0:
         dx, dy, m = _pair_dims(0, ROT_A, HALF, INTERLEAVED)
         tl.store(ptr + dx, tl.sum(axa, axis=0), mask=m)
@@ -542,114 +544,22 @@ def _store_weight_grads(ptr, axa, aya, axb, ayb, apa, apb, apc, HALF: tl.constex
 
 
 @triton.jit
-def _grid_backward_qk(head_offset: tl.constexpr, x_ptr, sx_b, sx_s, g_ptr, sg_b, sg_s, sg_h,
-                      sg_d, dx_ptr, sdx_b, sdx_s, first, n_tokens, seq_len, h0, n_heads, w_ptr,
-                      s_w, w_offset, eps, part_ptr, pos_ptr, cos_ptr, sin_ptr, turns_ptr, sp_a,
-                      sp_b, sp_s, pos_offset, n_rows, sc_b, sc_row, ss_b, ss_row, attn_factor,
-                      NORM: tl.constexpr, HAS_G: tl.constexpr, ROTATE: tl.constexpr,
-                      G_CONTIG: tl.constexpr, ANGLES: tl.constexpr, HAS_POS: tl.constexpr,
-                      HAS_TURNS: tl.constexpr, MROPE_S1: tl.constexpr, MROPE_S2: tl.constexpr,
-                      MROPE_INTERLEAVED: tl.constexpr, LIBDEVICE: tl.constexpr,
-                      TOK_SPLIT: tl.constexpr, BLOCKS: tl.constexpr, BT: tl.constexpr,
-                      BH: tl.constexpr, HALF: tl.constexpr, ROT_A: tl.constexpr,
-                      ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      PASS_A: tl.constexpr, PASS_B: tl.constexpr, PASS_C: tl.constexpr,
-                      INTERLEAVED: tl.constexpr):
-    """A backward program of q or k heads: one chunk of token blocks [first, first + BLOCKS).
-    Block j + 1's output gradient and input are loaded before block j is finished (two blocks'
-    loads in flight; block j's angles computed meanwhile), block j's input gradient is stored
-    into grad_qkv, and (NORM) the weight-gradient sums [BLOCK_T, W] gather over the blocks, then
-    go to the program's row of partial sums at part_ptr (tokens summed there)."""
-    axa, aya, axb, ayb, apa, apb, apc = _zero_sums(BT, ROT_A, ROT_B, PASS_A, PASS_B, PASS_C)
-    if HAS_G:
-        b, sq, tmask = _tokens(first, n_tokens, seq_len, BT, TOK_SPLIT)
-        gxa, gya, gxb, gyb, gpa, gpb, gpc = _load_chunk(
-            g_ptr, b * sg_b + sq * sg_s, tmask, h0, n_heads, sg_h, sg_d, BT, BH, HALF, ROT_A,
-            ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED, G_CONTIG)
-        xa, ya, xb, yb, pa, pb, pc = gxa, gya, gxb, gyb, gpa, gpb, gpc  # unread without NORM
-        if NORM:
-            xa, ya, xb, yb, pa, pb, pc = _load_chunk(
-                x_ptr + head_offset, b * sx_b + sq * sx_s, tmask, h0, n_heads, HEAD_DIM, 1, BT,
-                BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
-                INTERLEAVED, True)
-        for j in range(BLOCKS):
-            nb, nsq, nmask = _tokens(first + j + 1, n_tokens, seq_len, BT, TOK_SPLIT)
-            nmask = nmask & (j + 1 < BLOCKS)
-            ngxa, ngya, ngxb, ngyb, ngpa, ngpb, ngpc = _load_chunk(
-                g_ptr, nb * sg_b + nsq * sg_s, nmask, h0, n_heads, sg_h, sg_d, BT, BH, HALF,
-                ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED,
-                G_CONTIG)
-            nxa, nya, nxb, nyb, npa, npb, npc = ngxa, ngya, ngxb, ngyb, ngpa, ngpb, ngpc
-            if NORM:
-                nxa, nya, nxb, nyb, npa, npb, npc = _load_chunk(
-                    x_ptr + head_offset, nb * sx_b + nsq * sx_s, nmask, h0, n_heads, HEAD_DIM, 1,
-                    BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
-                    INTERLEAVED, True)
-            ca, sa, cb, sb = eps, eps, eps, eps  # unused without rotation
-            if ROTATE:
-                ca, sa, cb, sb = _angles(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask,
-                                         sp_a, sp_b, sp_s, pos_offset, n_rows, sc_b, sc_row,
-                                         ss_b, ss_row, attn_factor, ANGLES, HALF, ROT_A, ROT_B,
-                                         HAS_POS, HAS_TURNS, MROPE_S1, MROPE_S2,
-                                         MROPE_INTERLEAVED, LIBDEVICE, True)
-            dxa, dya, dxb, dyb, dpa, dpb, dpc, sxa, sya, sxb, syb, spa, spb, spc = _backward_qk(
-                gxa, gya, gxb, gyb, gpa, gpb, gpc, xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb,
-                w_ptr, s_w, w_offset, eps, NORM, ROTATE, BT, HALF, ROT_A, ROT_B, ROTARY_DIM,
-                HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
-            axa, aya, axb, ayb = axa + sxa, aya + sya, axb + sxb, ayb + syb
-            apa, apb, apc = apa + spa, apb + spb, apc + spc
-            _store_chunk(dxa, dya, dxb, dyb, dpa, dpb, dpc, dx_ptr + head_offset,
-                         b * sdx_b + sq * sdx_s, tmask, h0, n_heads, HEAD_DIM, 1, BT, BH, HALF,
-                         ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED,
-                         True)
-            b, sq, tmask = nb, nsq, nmask
-            gxa, gya, gxb, gyb, gpa, gpb, gpc = ngxa, ngya, ngxb, ngyb, ngpa, ngpb, ngpc
-            xa, ya, xb, yb, pa, pb, pc = nxa, nya, nxb, nyb, npa, npb, npc
-    else:  # a gradient that is None: zeros, and zero weight-gradient sums
-        zxa, zya, zxb, zyb, zpa, zpb, zpc = _zero_head(BT, BH, ROT_A, ROT_B, PASS_A, PASS_B,
-                                                       PASS_C)
-        for j in range(BLOCKS):
-            b, sq, tmask = _tokens(first + j, n_tokens, seq_len, BT, TOK_SPLIT)
-            _store_chunk(zxa, zya, zxb, zyb, zpa, zpb, zpc, dx_ptr + head_offset,
-                         b * sdx_b + sq * sdx_s, tmask, h0, n_heads, HEAD_DIM, 1, BT, BH, HALF,
-                         ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED,
-                         True)
-    if NORM:
-        _store_weight_grads(part_ptr, axa, aya, axb, ayb, apa, apb, apc, HALF, ROT_A, ROT_B,
-                            ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
-
-
-@triton.jit
-def _copy_v(g_ptr, sg_b, sg_s, sg_h, sg_d, dx_ptr, sdx_b, sdx_s, first, n_tokens, seq_len, h0,
-            n_heads, HAS_G: tl.constexpr, G_CONTIG: tl.constexpr, TOK_SPLIT: tl.constexpr,
-            BLOCKS: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr,
+def _copy_v(g_ptr, row_g, sg_h, sg_d, dx_ptr, row_dx, tmask, h0, n_heads, HAS_G: tl.constexpr,
+            G_CONTIG: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr,
             ROT_A: tl.constexpr, ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr,
             HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
             PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """grad_qkv's v heads of token blocks [first, first + BLOCKS): grad_v as given (zeros when
-    None), block j + 1 loaded before block j is stored."""
-    b, sq, tmask = _tokens(first, n_tokens, seq_len, BT, TOK_SPLIT)
+    """grad_qkv's v heads: grad_v as given (zeros when None)."""
     if HAS_G:
-        ga, gb, gc, gd, ge, gf, gg = _load_chunk(g_ptr, b * sg_b + sq * sg_s, tmask, h0, n_heads,
-                                                 sg_h, sg_d, BT, BH, HALF, ROT_A, ROT_B,
-                                                 ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
-                                                 INTERLEAVED, G_CONTIG)
+        ga, gb, gc, gd, ge, gf, gg = _load_chunk(g_ptr, row_g, tmask, h0, n_heads, sg_h, sg_d,
+                                                 BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM,
+                                                 HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED,
+                                                 G_CONTIG)
     else:
         ga, gb, gc, gd, ge, gf, gg = _zero_head(BT, BH, ROT_A, ROT_B, PASS_A, PASS_B, PASS_C)
-    for j in range(BLOCKS):
-        nb, nsq, nmask = _tokens(first + j + 1, n_tokens, seq_len, BT, TOK_SPLIT)
-        nmask = nmask & (j + 1 < BLOCKS)
-        na, nb_, nc, nd, ne, nf, ng = ga, gb, gc, gd, ge, gf, gg
-        if HAS_G:
-            na, nb_, nc, nd, ne, nf, ng = _load_chunk(
-                g_ptr, nb * sg_b + nsq * sg_s, nmask, h0, n_heads, sg_h, sg_d, BT, BH, HALF,
-                ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED,
-                G_CONTIG)
-        _store_chunk(ga, gb, gc, gd, ge, gf, gg, dx_ptr, b * sdx_b + sq * sdx_s, tmask, h0,
-                     n_heads, HEAD_DIM, 1, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM,
-                     PASS_A, PASS_B, PASS_C, INTERLEAVED, True)
-        b, sq, tmask = nb, nsq, nmask
-        ga, gb, gc, gd, ge, gf, gg = na, nb_, nc, nd, ne, nf, ng
+    _store_chunk(ga, gb, gc, gd, ge, gf, gg, dx_ptr, row_dx, tmask, h0, n_heads, HEAD_DIM, 1, BT,
+                 BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                 INTERLEAVED, True)
 
 
 @triton.jit(do_not_specialize=["n_tokens", "seq_len", "pos_offset", "n_rows"])
@@ -657,8 +567,7 @@ def prologue_backward_kernel(
     # the data: the forward's input, grad_qkv (contiguous rows), output gradients [B, S, H, D]
     x_ptr, dx_ptr, gq_ptr, gk_ptr, gv_ptr, n_tokens, seq_len, sx_b, sx_s, sdx_b, sdx_s,
     sgq_b, sgq_s, sgq_h, sgq_d, sgk_b, sgk_s, sgk_h, sgk_d, sgv_b, sgv_s, sgv_h, sgv_d,
-    # the norm, and the weight gradients' partial sums: float32 rows of HEAD_DIM, one per
-    # (program's token blocks, q chunk) and per (program's token blocks, k chunk)
+    # the norm, and the weight gradients' partial sums [programs, HEAD_DIM] float32
     qw_ptr, kw_ptr, s_qw, s_kw, eps, w_offset, dqw_ptr, dkw_ptr,
     # the angle source, as rope_kernel's
     pos_ptr, cos_ptr, sin_ptr, turns_ptr, pos_offset, attn_factor, n_rows, sp_b, sp_s,
@@ -672,8 +581,7 @@ def prologue_backward_kernel(
     HAS_GQ: tl.constexpr, HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, G_CONTIG: tl.constexpr,
     ROT_A: tl.constexpr, ROT_B: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
     PASS_C: tl.constexpr,
-    # the launch configuration: a head grid, a program per (BLOCKS_PER_PROGRAM token blocks,
-    # chunk)
+    # the launch configuration: a token walk, BLOCKS_PER_PROGRAM token blocks per program
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCKS_PER_PROGRAM: tl.constexpr,
 ):
@@ -682,35 +590,49 @@ def prologue_backward_kernel(
     NKC: tl.constexpr = (HK + BLOCK_HK - 1) // BLOCK_HK
     NC: tl.constexpr = NQC + 2 * NKC
 
-    # The chunk index fastest: adjacent programs read and write adjacent memory.
     pid = tl.program_id(0)
-    ci = pid % NC
-    group = pid // NC
-    first = group * BLOCKS_PER_PROGRAM
-    if ci < NQC:
-        _grid_backward_qk(0, x_ptr, sx_b, sx_s, gq_ptr, sgq_b, sgq_s, sgq_h, sgq_d, dx_ptr,
-                          sdx_b, sdx_s, first, n_tokens, seq_len, ci * BLOCK_HQ, HQ, qw_ptr,
-                          s_qw, w_offset, eps,
-                          dqw_ptr + (group.to(tl.int64) * NQC + ci) * HEAD_DIM, pos_ptr,
-                          cos_ptr, sin_ptr, turns_ptr, sp_a, sp_b, sp_s, pos_offset, n_rows,
-                          sc_b, sc_row, ss_b, ss_row, attn_factor, Q_NORM, HAS_GQ, ROTATE,
-                          G_CONTIG, ANGLES, HAS_POS, HAS_TURNS, MROPE_S1, MROPE_S2,
-                          MROPE_INTERLEAVED, LIBDEVICE, TOK_SPLIT, BLOCKS_PER_PROGRAM, BLOCK_T,
-                          BLOCK_HQ, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
-                          PASS_C, INTERLEAVED)
-    elif ci < NQC + NKC:
-        _grid_backward_qk(HQ * HEAD_DIM, x_ptr, sx_b, sx_s, gk_ptr, sgk_b, sgk_s, sgk_h, sgk_d,
-                          dx_ptr, sdx_b, sdx_s, first, n_tokens, seq_len, (ci - NQC) * BLOCK_HK,
-                          HK, kw_ptr, s_kw, w_offset, eps,
-                          dkw_ptr + (group.to(tl.int64) * NKC + (ci - NQC)) * HEAD_DIM, pos_ptr,
-                          cos_ptr, sin_ptr, turns_ptr, sp_a, sp_b, sp_s, pos_offset, n_rows,
-                          sc_b, sc_row, ss_b, ss_row, attn_factor, K_NORM, HAS_GK, ROTATE,
-                          G_CONTIG, ANGLES, HAS_POS, HAS_TURNS, MROPE_S1, MROPE_S2,
-                          MROPE_INTERLEAVED, LIBDEVICE, TOK_SPLIT, BLOCKS_PER_PROGRAM, BLOCK_T,
-                          BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
-                          PASS_C, INTERLEAVED)
-    else:
-        _copy_v(gv_ptr, sgv_b, sgv_s, sgv_h, sgv_d, dx_ptr + (HQ + HK) * HEAD_DIM, sdx_b, sdx_s,
-                first, n_tokens, seq_len, (ci - NQC - NKC) * BLOCK_HK, HK, HAS_GV, G_CONTIG,
-                TOK_SPLIT, BLOCKS_PER_PROGRAM, BLOCK_T, BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM,
-                HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
+    qa = (_zeros_like_piece(BLOCK_T, ROT_A), _zeros_like_piece(BLOCK_T, ROT_A),
+          _zeros_like_piece(BLOCK_T, ROT_B), _zeros_like_piece(BLOCK_T, ROT_B),
+          _zeros_like_piece(BLOCK_T, PASS_A), _zeros_like_piece(BLOCK_T, PASS_B),
+          _zeros_like_piece(BLOCK_T, PASS_C))
+    ka = qa
+    for j in range(BLOCKS_PER_PROGRAM):
+        b, sq, tmask = _tokens(pid * BLOCKS_PER_PROGRAM + j, n_tokens, seq_len, BLOCK_T,
+                               TOK_SPLIT)
+        row_x = b * sx_b + sq * sx_s
+        row_dx = b * sdx_b + sq * sdx_s
+        ca, sa, cb, sb = eps, eps, eps, eps
+        if ROTATE:
+            ca, sa, cb, sb = _angles(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_a,
+                                     sp_b, sp_s, pos_offset, n_rows, sc_b, sc_row, ss_b, ss_row,
+                                     attn_factor, ANGLES, HALF, ROT_A, ROT_B, HAS_POS, HAS_TURNS,
+                                     MROPE_S1, MROPE_S2, MROPE_INTERLEAVED, LIBDEVICE, True)
+        for ci in tl.static_range(NC):
+            if ci < NQC:
+                qa = _backward_qk(
+                    x_ptr, row_x, gq_ptr, b * sgq_b + sq * sgq_s, sgq_h, sgq_d, dx_ptr, row_dx,
+                    tmask, ci * BLOCK_HQ, HQ, ca, sa, cb, sb, qw_ptr, s_qw, w_offset, eps, qa[0],
+                    qa[1], qa[2], qa[3], qa[4], qa[5], qa[6], Q_NORM, HAS_GQ, ROTATE, G_CONTIG,
+                    BLOCK_T, BLOCK_HQ, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
+                    PASS_C, INTERLEAVED)
+            elif ci < NQC + NKC:
+                ka = _backward_qk(
+                    x_ptr + HQ * HEAD_DIM, row_x, gk_ptr, b * sgk_b + sq * sgk_s, sgk_h, sgk_d,
+                    dx_ptr + HQ * HEAD_DIM, row_dx, tmask, (ci - NQC) * BLOCK_HK, HK, ca, sa, cb,
+                    sb, kw_ptr, s_kw, w_offset, eps, ka[0], ka[1], ka[2], ka[3], ka[4], ka[5],
+                    ka[6], K_NORM, HAS_GK, ROTATE, G_CONTIG, BLOCK_T, BLOCK_HK, HALF, ROT_A,
+                    ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
+            else:
+                _copy_v(gv_ptr, b * sgv_b + sq * sgv_s, sgv_h, sgv_d,
+                        dx_ptr + (HQ + HK) * HEAD_DIM, row_dx, tmask,
+                        (ci - NQC - NKC) * BLOCK_HK, HK, HAS_GV, G_CONTIG, BLOCK_T, BLOCK_HK,
+                        HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                        INTERLEAVED)
+    if Q_NORM:
+        _store_weight_grads(dqw_ptr + pid * HEAD_DIM, qa[0], qa[1], qa[2], qa[3], qa[4], qa[5],
+                            qa[6], HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
+                            PASS_C, INTERLEAVED)
+    if K_NORM:
+        _store_weight_grads(dkw_ptr + pid * HEAD_DIM, ka[0], ka[1], ka[2], ka[3], ka[4], ka[5],
+                            ka[6], HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
+                            PASS_C, INTERLEAVED)
