@@ -336,7 +336,8 @@ def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
                     inplace, None if pos_tensor is None else pos_tensor.dtype,
                     freq_turns is None and not a.spec, needs_grad,
                     q.stride(-1) == 1 and (k is None or k.stride(-1) == 1), angles,
-                    torch.float32 if cos is None else cos.dtype)
+                    torch.float32 if cos is None else cos.dtype,
+                    mrope_interleaved=angles == "mrope" and mrope_interleaved)
     selected = None if compiling else _select.select(call, request)
     if mode == "select":
         return selected.name if selected is not None else request

@@ -167,13 +167,14 @@ _HEADS = {"bshd": 2, "sbhd": 2, "bhsd": 1, "thd": 1}
 
 
 def call_of(q, k, pos, cos, freq_turns, layout, rotary_dim, interleaved, inplace, needs_grad,
-            angles) -> RopeCall:
+            angles, mrope_interleaved=False) -> RopeCall:
     """The selection metadata of a call (what backends' supports() read)."""
     heads = _HEADS[layout]
     return RopeCall(q.device.type, q.dtype, layout, "gptj" if interleaved else "neox", q.shape[-1],
                     rotary_dim, q.shape[heads], 0 if k is None else k.shape[heads], inplace,
                     None if pos is None else pos.dtype, freq_turns is None, needs_grad,
-                    q.stride(-1) == 1 and (k is None or k.stride(-1) == 1), angles, cos.dtype)
+                    q.stride(-1) == 1 and (k is None or k.stride(-1) == 1), angles, cos.dtype,
+                    mrope_interleaved=angles == "mrope" and mrope_interleaved)
 
 
 def tables_of(cos, sin, freq_turns, attention_factor, freqs, seq_len, rotary_dim, device):
@@ -191,7 +192,7 @@ def _run_op(inplace, q, k, pos, pos_offset, cos, sin, freq_turns, attention_fact
     cos, sin, freq_turns, attention_factor = tables_of(cos, sin, freq_turns, attention_factor, freqs,
                                                        seq_len, rotary_dim, q.device)
     call = call_of(q, k, pos, cos, freq_turns, layout, rotary_dim, interleaved, inplace, needs_grad,
-                   angles)
+                   angles, mrope_interleaved)
     backend = _select.select(call, request)
     args = KernelArgs(q, k, None, None, pos, pos_offset, cos, sin, freq_turns, attention_factor,
                       layout, rotary_dim, interleaved, inverse, inplace, angles,

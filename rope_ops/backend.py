@@ -66,6 +66,7 @@ class RopeCall(NamedTuple):
     table_dtype: torch.dtype = torch.float32  # dtype of cos/sin (caller tables may be fp16/bf16)
     op: str = "rope"  # "rope" (apply) or "prologue" (qkv_prologue: PrologueArgs)
     cache_dtype: torch.dtype | None = None  # prologue: the KV cache's dtype, None without a cache
+    mrope_interleaved: bool = False  # angles "mrope": frequencies assigned round-robin (Qwen3-VL)
 
 
 class KernelArgs(NamedTuple):

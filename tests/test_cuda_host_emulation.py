@@ -371,24 +371,25 @@ def test_kernel_args_fields_are_checked(ext):
                            torch.zeros(1, 1), None, 1.0, "thd", 2, False, False, False, angles="rays"))
 
 
-def test_untimed_angle_sources_rank_below_triton():
-    """Per-token cos/sin and mRoPE are taken (named, they run) but rank below the Triton backend
-    until timed on a GPU; position tables of half precision are refused (the table sources read
-    float32), per-token ones are not; the prologue still refuses both sources."""
+def test_angle_sources_rank_by_their_measured_speed():
+    """Per-token cos/sin and chunked mRoPE rank above the Triton backend, interleaved mRoPE below
+    it (slower on the H200); position tables of half precision are refused (the table sources
+    read float32), per-token ones are not; the prologue still refuses both sources."""
     from rope_ops.backend import RopeCall
     from rope_ops_backends.cuda_backend import CudaBackend
     from rope_ops_backends.triton_backend import TritonBackend
 
-    def call(angles, table_dtype=torch.float32, op="rope"):
+    def call(angles, table_dtype=torch.float32, op="rope", interleaved=False):
         return RopeCall("cuda", torch.bfloat16, "thd", "neox", 128, 128, 32, 8, False, torch.int64,
-                        angles == "token", False, True, angles=angles, table_dtype=table_dtype, op=op)
+                        angles == "token", False, True, angles=angles, table_dtype=table_dtype, op=op,
+                        mrope_interleaved=interleaved)
 
     cuda = CudaBackend()
-    assert cuda.priority_for(call("table")) == cuda.priority > TritonBackend.priority
-    for angles in ("token", "mrope"):
-        assert cuda.priority_for(call(angles)) < TritonBackend.priority
+    for angles in ("table", "token", "mrope"):
+        assert cuda.priority_for(call(angles)) == cuda.priority > TritonBackend.priority
         assert cuda.supports(call(angles)) == []
-        assert any("prologue" in r for r in cuda.supports(call(angles, op="prologue")))
+        assert angles == "table" or any("prologue" in r for r in cuda.supports(call(angles, op="prologue")))
+    assert cuda.priority_for(call("mrope", interleaved=True)) < TritonBackend.priority
     assert cuda.supports(call("token", torch.float16)) == []
     for angles in ("table", "mrope"):
         (reason,) = cuda.supports(call(angles, torch.bfloat16))

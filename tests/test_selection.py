@@ -258,3 +258,32 @@ def test_priority_for_ranks_per_call_and_a_raising_one_keeps_the_declared_priori
         assert fakes["half"].runs == 1
         call(torch.float32)  # half ranks 1 there; raises keeps 15; fast (20) wins
         assert fakes["fast"].runs == 1 and fakes["raises"].runs == 0
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_the_call_says_whether_mrope_is_interleaved(fakes, interleaved):
+    """Selection sees mRoPE's assignment (the CUDA backend ranks by it), eager and traced."""
+    seen = []
+
+    class Watching(Recording):
+        def priority_for(self, call):
+            seen.append(call)
+            return self.priority
+
+    fakes["watching"] = Watching("watching", priority=40)
+    q, k = torch.randn(1, 6, 2, 16), torch.randn(1, 6, 1, 16)
+    pos = torch.arange(6).expand(3, 1, 6)
+    with registry.override(fakes):
+        rope_ops.apply(q, k, pos, mrope_section=(2, 3, 3), mrope_interleaved=interleaved)
+        rope_ops.apply(q, k, torch.arange(6).expand(1, 6))
+        _select.clear_cache()  # the traced call's own selection, not the eager one's cached
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda q, k, p: rope_ops.apply(q, k, p, mrope_section=(2, 3, 3),
+                                                                 mrope_interleaved=interleaved),
+                                 backend="eager", fullgraph=True)
+        compiled(q, k, pos)
+        torch._dynamo.reset()
+    mrope = [c for c in seen if c.angles == "mrope"]
+    assert len(mrope) >= 2 and all(c.mrope_interleaved == interleaved for c in mrope)
+    assert all(not c.mrope_interleaved for c in seen if c.angles != "mrope")
+    assert fakes["watching"].runs >= 3

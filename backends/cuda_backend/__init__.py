@@ -216,9 +216,11 @@ class CudaBackend(Backend):
         # training step (forward + backward; csrc/NOTES.md).
         if call.op == "prologue" and not (call.needs_grad and call.dtype != torch.float32):
             return self.BELOW_TRITON
-        # Per-token and mRoPE kernels (the heads family and the generic kernel,
-        # csrc/angle_sources.cuh) are checked by the host emulation but not yet timed on a GPU.
-        if call.angles in ("token", "mrope"):
+        # Interleaved mRoPE (Qwen3-VL) ranks below Triton: on the H200 these kernels took 50.2 us
+        # against Triton's 46.7 (bshd) and 46.3 (thd) on Qwen3-VL-8B prefills, while chunked
+        # mRoPE took 38.6 against 46.7 and 45.2 and per-token tables tied (45.3 / 45.0 us) at a
+        # sixth of Triton's host time per call (benchmarks/results-h200.md).
+        if call.angles == "mrope" and call.mrope_interleaved:
             return self.BELOW_TRITON
         # Named (ROPE_OPS_BACKEND=cuda), or without Triton, the kernels run every call.
         return self.priority
