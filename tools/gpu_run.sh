@@ -27,10 +27,14 @@
 #               prologue's cases, then its GPU time against a same-bytes copy and Triton
 #   e2e         examples/hf_end_to_end.py: a Llama's training step, prefill and decode with and
 #               without rope_ops (transformers' rotary code, patch(model), patch(model, exact=True))
-#   candidates  python -m rope_ops bench --candidates --providers cuda: every kernel
-#               configuration of every benchmark case timed next to the policy's choice
-#   bench       python -m rope_ops bench --matrix: W1-W5 and the public matrix, every provider
-#               ($BENCH_WORKLOADS, a comma list of case names: those cases only)
+#   candidates  python -m rope_ops bench --candidates --providers $CANDIDATES (default cuda; or
+#               triton, whose candidates each compile: minutes): every kernel configuration of
+#               every benchmark case timed next to the policy's choice
+#   bench       python -m rope_ops bench --matrix: W1-W5 and the public matrix, every provider,
+#               host time per eager call: results-h200.md / .png, matrix.json (rewritten after
+#               each case; a run cut short is rendered from it). $BENCH_WORKLOADS, a comma list
+#               of case names: those cases only. Several runs' JSON merge into one results file
+#               with `python -m rope_ops bench --render a.json,b.json --markdown ... --png ...`.
 # Each timed phase is cut at the time left of BUDGET_S (570 s by default, for a 600 s call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +42,8 @@ OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 TORCH_DEVICE_BACKEND_AUTOLOAD=0
 export ROPE_OPS_CACHE=${ROPE_OPS_CACHE:-$PWD/.gpu_cache}
+# The commit the results files name (set it where the checkout has no git metadata).
+export ROPE_OPS_COMMIT=${ROPE_OPS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 status=0
 phases=("$@")
 [ "${#phases[@]}" -eq 0 ] && phases=(setup build verify host)
@@ -137,9 +143,11 @@ if has e2e; then
   [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
 fi
 if has candidates; then
-  step "bench --candidates (cuda)"
-  timeout "$(left)" python3 -m rope_ops bench --candidates --providers cuda --json "$OUT/candidates_cuda.json" \
-    --markdown "$OUT/candidates_cuda.md" 2>&1 | tee "$OUT/candidates_cuda.txt"
+  backend=${CANDIDATES:-cuda}
+  step "bench --candidates ($backend)"
+  timeout "$(left)" python3 -m rope_ops bench --candidates --providers "$backend" \
+    --json "$OUT/candidates_$backend.json" --markdown "$OUT/candidates_$backend.md" 2>&1 \
+    | tee "$OUT/candidates_$backend.txt"
   [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
 fi
 if has bench; then
@@ -147,7 +155,13 @@ if has bench; then
   cases=(--matrix); [ -n "${BENCH_WORKLOADS:-}" ] && cases=(--workloads "$BENCH_WORKLOADS")
   timeout "$(left)" python3 -m rope_ops bench "${cases[@]}" --json "$OUT/matrix.json" --markdown "$OUT/results-h200.md" \
     --png "$OUT/results-h200.png" 2>&1 | tee "$OUT/matrix.txt"
-  [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" -ne 0 ]; then
+    status=1
+    echo "bench exit $rc (124: cut at the budget; matrix.json holds the cases done)"
+    [ -f "$OUT/matrix.json" ] && python3 -m rope_ops bench --render "$OUT/matrix.json" \
+      --markdown "$OUT/results-h200.md" --png "$OUT/results-h200.png" > /dev/null
+  fi
 fi
 echo; echo "gpu_run.sh: exit $status"
 exit $status
