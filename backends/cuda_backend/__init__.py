@@ -11,9 +11,9 @@ newest one; ``$ROPE_OPS_CUDA_ARCH`` overrides, e.g. ``90`` or ``80;90``). Prebui
 ``run`` hands the whole ``KernelArgs`` to the extension, which reads its fields in C++. Which
 kernel runs is decided in C++ from the call and the device alone (csrc/policy.h).
 
-Rotations take three angle sources: position tables, the caller's cos/sin per token and mRoPE;
-the last two are checked by the tests' host emulation, not yet timed on a GPU, so they rank
-below the Triton backend (``priority_for``).
+Rotations take three angle sources: position tables, the caller's cos/sin per token and mRoPE.
+Interleaved mRoPE ranks below the Triton backend, whose kernels measured faster on it
+(``priority_for``).
 
 The fused prologue (rope_ops.qkv_prologue) runs csrc/kernel_prologue.cuh, forward and backward,
 for position tables (mRoPE and per-token caller tables are refused: selection sends them to
