@@ -16,7 +16,7 @@
 // cos/sin table chain overlaps the row's own load.
 // Forward grid: one block (128 / G groups) per 128 / G rows, one row per group: no row loop; new
 // blocks keep the loads in flight, and the grid spreads over every SM for decode-sized calls too.
-// Backward: blocks walk chunks of 128 / G rows, gridDim apart (a grid of at most
+// Backward: each block walks a run of consecutive chunks of 128 / G rows (a grid of at most
 // kPrologueBackwardBlocksPerSm per SM); the weight-gradient sums live in shared memory, and each
 // block writes one row of partial sums ([blocks, D], added up by the caller in a fixed order:
 // deterministic).
@@ -368,8 +368,8 @@ __global__ void __launch_bounds__(kPrologueThreads)
   lane.finish(p, sh, group_sum(lane.load(p, sh), sh.G));
 }
 
-// One lane of the backward: the forward's lanes over the rows its block walks (chunks of 128 / G
-// rows of the flattened walk, gridDim apart). A row's loads (output gradient, input row,
+// One lane of the backward: the forward's lanes over the rows its block walks (consecutive chunks
+// of 128 / G rows of the flattened walk). A row's loads (output gradient, input row,
 // position) are all issued before anything waits on them; the weights, read by every row of the
 // block, are L1 hits and are read after the first reduction. The weight-gradient sums live in
 // the block's shared memory ([2][groups, D]: q's, then k's; a lane's elements are its own, the
@@ -503,6 +503,17 @@ ROPE_HD void add_group_sums(const float* sums, int groups, int64_t D, int thread
   }
 }
 
+// The backward block's chunks [first, end): consecutive ones, so that a token's rows (its
+// position and cos/sin row, L1 hits after the first) stay on one block.
+ROPE_HD void prologue_block_chunks(const PrologueShape& sh, int64_t block, int64_t blocks,
+                                   int64_t& first, int64_t& end) {
+  const int64_t groups = kPrologueThreads >> sh.g_log2;
+  const int64_t chunks = (sh.total + groups - 1) / groups;
+  const int64_t per = (chunks + blocks - 1) / blocks;
+  first = block * per;
+  end = first + per < chunks ? first + per : chunks;
+}
+
 template <typename T, bool NEOX, int VB, int U, class A>
 __global__ void __launch_bounds__(kPrologueThreads)
     rope_prologue_backward_kernel(const RopePrologueParams p, const PrologueShape sh) {
@@ -512,8 +523,9 @@ __global__ void __launch_bounds__(kPrologueThreads)
   for (int64_t i = threadIdx.x; i < 2 * groups * D; i += kPrologueThreads) sums[i] = 0.f;
   __syncthreads();
   wait_for_previous_grid();
-  const int64_t chunks = (sh.total + groups - 1) / groups;
-  for (int64_t chunk = blockIdx.x; chunk < chunks; chunk += gridDim.x) {
+  int64_t chunk, end;
+  prologue_block_chunks(sh, blockIdx.x, gridDim.x, chunk, end);
+  for (; chunk < end; ++chunk) {
     PrologueGradLane<T, NEOX, VB, U, A> lane(p, sh, chunk, threadIdx.x);
     const float sum_sq = group_sum(lane.load(p, sh), sh.G);
     lane.finish(p, sh, group_sum(lane.norm_row(p, sh, sum_sq, sums), sh.G));
@@ -630,10 +642,11 @@ inline bool plan_prologue(const RopePrologueParams& p, const RopeDevice& dev, bo
     plan.blocks = chunks;
     plan.smem_bytes = 0;
   } else {
-    // enough blocks for every SM's resident slots (the common kernels fit 6 to 8 per SM), each
-    // adding up its share of the weights' gradients into one row of partial sums
+    // enough blocks for every SM's resident slots, each adding up its run of chunks' weight
+    // gradients into one row of partial sums; no block without chunks (prologue_block_chunks)
     const int64_t most = kPrologueBackwardBlocksPerSm * sms;
-    plan.blocks = chunks < most ? chunks : most;
+    const int64_t per = (chunks + most - 1) / most;
+    plan.blocks = (chunks + per - 1) / per;
     plan.smem_bytes = (int)(2 * groups * r.D * (int64_t)sizeof(float));
   }
   return true;

@@ -177,11 +177,12 @@ struct Emulator {
     record_prologue<T, NEOX, VB, U>("prologue_backward");
     const PrologueShape& sh = plan.sh;
     const int groups = kPrologueThreads >> sh.g_log2;
-    const long long chunks = (sh.total + groups - 1) / groups;
     std::vector<float> sums((size_t)2 * groups * p.rope.D);
     for (long long bid = 0; bid < plan.blocks; ++bid) {
       std::fill(sums.begin(), sums.end(), 0.f);
-      for (long long chunk = bid; chunk < chunks; chunk += plan.blocks)
+      int64_t first, end;
+      prologue_block_chunks(sh, bid, plan.blocks, first, end);
+      for (int64_t chunk = first; chunk < end; ++chunk)
         for (int w = 0; w < kPrologueThreads; w += 32) {
           std::vector<Lane> lanes;
           lanes.reserve(32);
