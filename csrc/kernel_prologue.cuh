@@ -369,9 +369,10 @@ __global__ void __launch_bounds__(kPrologueThreads)
 }
 
 // One lane of the backward: the forward's lanes over the rows its block walks (consecutive chunks
-// of 128 / G rows of the flattened walk). A row's loads (output gradient, input row,
-// position) are all issued before anything waits on them; the weights, read by every row of the
-// block, are L1 hits and are read after the first reduction. The weight-gradient sums live in
+// of 128 / G rows of the flattened walk). A row's gradient and input loads are issued (issue) a
+// row ahead, before the previous row's reductions wait; its position and cos/sin (L1 hits: the
+// token's rows are on this block) and its weights (read by every row of the block) are read when
+// it is processed. The weight-gradient sums live in
 // the block's shared memory ([2][groups, D]: q's, then k's; a lane's elements are its own, the
 // same units in every row), not in registers: occupancy.
 template <typename T, bool NEOX, int VB, int U, class A>
@@ -382,8 +383,9 @@ struct PrologueGradLane {
 
   PrologueRow r;
   int lane, group;
-  bool normed;
+  bool normed, has_grad;
   float rstd;
+  V graw[U][NV], xraw[U][NV];
   float g[U][W], n[U][W];
 
   ROPE_HD PrologueGradLane(const RopePrologueParams& p, const PrologueShape& sh, int64_t chunk, int thread)
@@ -394,28 +396,34 @@ struct PrologueGradLane {
 
   ROPE_HD int unit(const PrologueShape& sh, int k) const { return lane + k * sh.G; }
 
-  // Loads the row's output gradient, rotated back (p.rope.inverse), and the input row where it is
-  // normalised; returns the lane's part of the input's sum of squares.
-  ROPE_HD float load(const RopePrologueParams& p, const PrologueShape& sh) {
-    normed = false;
-    float sum = 0.f;
-    if (!r.active) return sum;
+  // Issues the loads of the row's output gradient and, where it is normalised, its input row.
+  ROPE_HD void issue(const RopePrologueParams& p, const PrologueShape& sh) {
+    normed = has_grad = false;
+    if (!r.active) return;
     const int kind = r.kind;
     const int64_t R = p.rope.R;
     const T* gsrc = static_cast<const T*>(p.grad[kind]);
-    if (gsrc != nullptr)
+    has_grad = gsrc != nullptr;
+    if (has_grad)
       gsrc += r.b * p.grad_stride[kind][0] + r.s * p.grad_stride[kind][1] + r.head * p.grad_stride[kind][2];
     normed = kind < 2 && (kind == 0 ? p.q_weight : p.k_weight) != nullptr;
     const T* xsrc = static_cast<const T*>(p.qkv) + r.b * p.qkv_stride_b + r.s * p.qkv_stride_s +
                     (int64_t)r.row * p.rope.D;
-    V graw[U][NV], xraw[U][NV];
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int u = unit(sh, k);
       if (u >= sh.n_units) continue;
-      if (gsrc != nullptr) Units::load_raw(gsrc, sh, R, u, graw[k]);
+      if (has_grad) Units::load_raw(gsrc, sh, R, u, graw[k]);
       if (normed) Units::load_raw(xsrc, sh, R, u, xraw[k]);
     }
+  }
+
+  // The issued row's output gradient, rotated back (p.rope.inverse), and input; returns the
+  // lane's part of the input's sum of squares.
+  ROPE_HD float load(const RopePrologueParams& p, const PrologueShape& sh) {
+    float sum = 0.f;
+    if (!r.active) return sum;
+    const int kind = r.kind;
     const bool rotated = kind < 2 && sh.n_rot > 0;
     float c[U][NP], sn[U][NP];
     if (rotated) {
@@ -428,7 +436,7 @@ struct PrologueGradLane {
     for (int k = 0; k < U; ++k) {
       const int u = unit(sh, k);
       if (u >= sh.n_units) continue;
-      if (gsrc != nullptr) {
+      if (has_grad) {
         Units::unpack(graw[k], g[k]);
       } else {
 #pragma unroll
@@ -514,8 +522,10 @@ ROPE_HD void prologue_block_chunks(const PrologueShape& sh, int64_t block, int64
   end = first + per < chunks ? first + per : chunks;
 }
 
+// U == 1: at most 128 registers (4 blocks per SM); with the next row's loads in flight the
+// common kernels (fp16/bf16 NeoX vectors) would take 136, 3 blocks per SM.
 template <typename T, bool NEOX, int VB, int U, class A>
-__global__ void __launch_bounds__(kPrologueThreads)
+__global__ void __launch_bounds__(kPrologueThreads, U == 1 ? 4 : 1)
     rope_prologue_backward_kernel(const RopePrologueParams p, const PrologueShape sh) {
   extern __shared__ float sums[];  // [2][groups, D]: the block's weight-gradient sums, q's then k's
   const int groups = kPrologueThreads >> sh.g_log2;
@@ -525,10 +535,21 @@ __global__ void __launch_bounds__(kPrologueThreads)
   wait_for_previous_grid();
   int64_t chunk, end;
   prologue_block_chunks(sh, blockIdx.x, gridDim.x, chunk, end);
-  for (; chunk < end; ++chunk) {
-    PrologueGradLane<T, NEOX, VB, U, A> lane(p, sh, chunk, threadIdx.x);
-    const float sum_sq = group_sum(lane.load(p, sh), sh.G);
-    lane.finish(p, sh, group_sum(lane.norm_row(p, sh, sum_sq, sums), sh.G));
+  using Lane = PrologueGradLane<T, NEOX, VB, U, A>;
+  if (chunk < end) {
+    // the next chunk's loads are issued before this one's reductions wait
+    Lane lane(p, sh, chunk, threadIdx.x);
+    lane.issue(p, sh);
+    for (;;) {
+      const bool more = chunk + 1 < end;
+      Lane next(p, sh, more ? chunk + 1 : chunk, threadIdx.x);
+      if (more) next.issue(p, sh);
+      const float sum_sq = group_sum(lane.load(p, sh), sh.G);
+      lane.finish(p, sh, group_sum(lane.norm_row(p, sh, sum_sq, sums), sh.G));
+      if (!more) break;
+      lane = next;
+      ++chunk;
+    }
   }
   __syncthreads();
   if (p.q_weight_partials != nullptr)

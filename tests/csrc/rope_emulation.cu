@@ -189,6 +189,7 @@ struct Emulator {
           float part[32];
           for (int l = 0; l < 32; ++l) {
             lanes.emplace_back(p, sh, chunk, w + l);
+            lanes[l].issue(p, sh);
             part[l] = lanes[l].load(p, sh);
           }
           emulate_group_sum(part, sh.G);
