@@ -17,9 +17,9 @@
 // Forward grid: one block (128 / G groups) per 128 / G rows, one row per group: no row loop; new
 // blocks keep the loads in flight, and the grid spreads over every SM for decode-sized calls too.
 // Backward: each block walks a run of consecutive chunks of 128 / G rows (a grid of at most
-// kPrologueBackwardBlocksPerSm per SM); the weight-gradient sums live in shared memory, and each
-// block writes one row of partial sums ([blocks, D], added up by the caller in a fixed order:
-// deterministic).
+// kPrologueBackwardBlocksPerSm per SM), the next row's loads issued before this row's reductions
+// wait; the weight-gradient sums live in shared memory, and each block writes one row of partial
+// sums ([blocks, D], added up by the caller in a fixed order: deterministic).
 #pragma once
 
 #include <cuda_fp8.h>
@@ -536,19 +536,31 @@ __global__ void __launch_bounds__(kPrologueThreads, U == 1 ? 4 : 1)
   int64_t chunk, end;
   prologue_block_chunks(sh, blockIdx.x, gridDim.x, chunk, end);
   using Lane = PrologueGradLane<T, NEOX, VB, U, A>;
-  if (chunk < end) {
+  const auto process = [&](Lane& lane) {
+    const float sum_sq = group_sum(lane.load(p, sh), sh.G);
+    lane.finish(p, sh, group_sum(lane.norm_row(p, sh, sum_sq, sums), sh.G));
+  };
+  if constexpr (U == 1) {
     // the next chunk's loads are issued before this one's reductions wait
-    Lane lane(p, sh, chunk, threadIdx.x);
-    lane.issue(p, sh);
-    for (;;) {
-      const bool more = chunk + 1 < end;
-      Lane next(p, sh, more ? chunk + 1 : chunk, threadIdx.x);
-      if (more) next.issue(p, sh);
-      const float sum_sq = group_sum(lane.load(p, sh), sh.G);
-      lane.finish(p, sh, group_sum(lane.norm_row(p, sh, sum_sq, sums), sh.G));
-      if (!more) break;
-      lane = next;
-      ++chunk;
+    if (chunk < end) {
+      Lane lane(p, sh, chunk, threadIdx.x);
+      lane.issue(p, sh);
+      for (;;) {
+        const bool more = chunk + 1 < end;
+        Lane next(p, sh, more ? chunk + 1 : chunk, threadIdx.x);
+        if (more) next.issue(p, sh);
+        process(lane);
+        if (!more) break;
+        lane = next;
+        ++chunk;
+      }
+    }
+  } else {
+    // four units per lane already keep as many bytes in flight as the next row would add
+    for (; chunk < end; ++chunk) {
+      Lane lane(p, sh, chunk, threadIdx.x);
+      lane.issue(p, sh);
+      process(lane);
     }
   }
   __syncthreads();
@@ -666,7 +678,7 @@ inline bool plan_prologue(const RopePrologueParams& p, const RopeDevice& dev, bo
     // enough blocks for every SM's resident slots, each adding up its run of chunks' weight
     // gradients into one row of partial sums; no block without chunks (prologue_block_chunks)
     const int64_t most = kPrologueBackwardBlocksPerSm * sms;
-    const int64_t per = (chunks + most - 1) / most;
+    const int64_t per = chunks > 0 ? (chunks + most - 1) / most : 1;
     plan.blocks = (chunks + per - 1) / per;
     plan.smem_bytes = (int)(2 * groups * r.D * (int64_t)sizeof(float));
   }
