@@ -1,25 +1,24 @@
 // The fused attention prologue (prologue.h): QKV split + per-head RMSNorm + rotation + KV-cache
 // write, forward and backward. A flat-family kernel: a group of G lanes (a power of two <= 32,
 // inside one warp) holds one head row, so a row's sum of squares is a shuffle reduction over the
-// group (the backward keeps its weight-gradient sums in shared memory).
+// group and no shared memory is needed (the backward uses it once per block, to add up the
+// weights' gradients).
 //
 // A row is cut into units: rotary units first (NeoX: the E-element vectors at i and R/2 + i, E
 // pairs; GPT-J: 2 NP contiguous elements, NP pairs), then pass-through vectors of E elements.
 // E = 16 / sizeof(T) (16-byte vectors) where every tensor, the rotary halves and the table reads
 // allow it, else 1 (single elements: any head_dim, any even rotary_dim, any alignment). Lane l of
-// a group owns units l, l + G, ... (up to U of them), the same units in every row. v rows are
-// copied (and cached) through the same units.
+// a group owns units l, l + G, ... (up to U of them), the same units in every row it visits, so
+// its cos/sin (and the token's position and cache slot) are loaded once per token and reused for
+// all the token's rows. v rows are copied (and cached) through the same units.
 //
-// The rows of all tokens form one flattened walk (token-major: q heads, k heads, v heads where v
-// is written or cached); every group takes one row of it. Its loads (the row, the position, the
-// cache slot, the norm weights) are issued before anything waits on them, so the position ->
-// cos/sin table chain overlaps the row's own load.
-// Forward grid: one block (128 / G groups) per 128 / G rows, one row per group: no row loop; new
-// blocks keep the loads in flight, and the grid spreads over every SM for decode-sized calls too.
-// Backward: each block walks a run of consecutive chunks of 128 / G rows (a grid of at most
-// kPrologueBackwardBlocksPerSm per SM), the next row's loads issued before this row's reductions
-// wait; the weight-gradient sums live in shared memory, and each block writes one row of partial
-// sums ([blocks, D], added up by the caller in a fixed order: deterministic).
+// Forward grid: (tokens, splits), blocks of 128 threads; the 128 / G groups of a token's `splits`
+// blocks walk its rows (q, then k, then v: one launch for all of them and the cache write), two
+// rows at a time per lane where it holds one unit (both rows' loads in flight before the first
+// reduction waits on them).
+// Backward: blocks walk tokens (a grid of at most 8 per SM), lanes keep their weight-gradient
+// sums in registers, and each block writes one row of partial sums ([blocks, D], added up by the
+// caller in a fixed order: deterministic).
 #pragma once
 
 #include <cuda_fp8.h>
@@ -32,7 +31,6 @@ namespace {
 
 constexpr int kPrologueThreads = 128;
 constexpr int kPrologueMaxUnits = 128;  // per row: 32 lanes x 4 units
-constexpr int kPrologueBackwardBlocksPerSm = 8;
 
 // What a launch's lanes need to know of the call's shape (host-computed).
 struct PrologueShape {
@@ -41,24 +39,18 @@ struct PrologueShape {
   int n_rot;         // rotary units per row (0: no rotation)
   int n_units;       // units per row
   int n_rows;        // rows per token walked: q, k (and v when written or cached)
-  int64_t total;     // rows walked: tokens * n_rows
+  int group_stride;  // groups walking one token's rows
+  int row_iters;     // rows per group: ceil(n_rows / group_stride)
 };
 
 // E elements of T from / to 16-byte vectors (VB 16) or single elements (VB sizeof(T)).
-// V: a vector as loaded, converted by unpack (a load's wait falls on its first use).
 template <typename T, int VB>
 struct Elems {
   static constexpr int E = VB / (int)sizeof(T);
-  using V = typename std::conditional<VB == 16, uint4, T>::type;
-  static ROPE_HD V load_raw(const T* ptr) {
-    if constexpr (VB == 16) return ld_data<HINT_PLAIN>(ptr);
-    else return *ptr;
+  static ROPE_HD void load(const T* ptr, float* f) {
+    if constexpr (VB == 16) unpack16<T>(ld_data<HINT_PLAIN>(ptr), f);
+    else f[0] = to_f32(*ptr);
   }
-  static ROPE_HD void unpack(const V& v, float* f) {
-    if constexpr (VB == 16) unpack16<T>(v, f);
-    else f[0] = to_f32(v);
-  }
-  static ROPE_HD void load(const T* ptr, float* f) { unpack(load_raw(ptr), f); }
   static ROPE_HD void store(T* ptr, const float* f) {
     if constexpr (VB == 16) st_data<HINT_PLAIN>(ptr, pack16<T>(f));
     else *ptr = from_f32<T>(f[0]);
@@ -108,7 +100,6 @@ struct PrologueUnits {
   static constexpr int E = X::E;
   static constexpr int NP = NEOX ? E : (E >= 2 ? E / 2 : 1);  // pairs per rotary unit
   static constexpr int W = 2 * NP;
-  static constexpr int NV = W / E;  // vectors per unit (a pass-through unit uses the first)
 
   // Calls f(element offset in the row, index in the unit's storage, elements) for each E-element
   // vector of unit u.
@@ -133,38 +124,6 @@ struct PrologueUnits {
 
   static ROPE_HD void store(T* row, const PrologueShape& sh, int64_t R, int u, const float* x) {
     vectors(sh, R, u, [&](int64_t off, int at) { X::store(row + off, x + at); });
-  }
-
-  // The unit's vectors as loaded (raw[at / E]), and converted.
-  static ROPE_HD void load_raw(const T* row, const PrologueShape& sh, int64_t R, int u,
-                               typename X::V* raw) {
-    vectors(sh, R, u, [&](int64_t off, int at) { raw[at / E] = X::load_raw(row + off); });
-  }
-  static ROPE_HD void unpack(const typename X::V* raw, float* x) {
-#pragma unroll
-    for (int v = 0; v < NV; ++v) X::unpack(raw[v], x + v * E);
-  }
-
-  // acc[element] += a * b over the unit's elements (acc: a float row in shared memory).
-  static ROPE_HD void add_to(float* acc, const PrologueShape& sh, int64_t R, int u, const float* a,
-                             const float* b) {
-    vectors(sh, R, u, [&](int64_t off, int at) {
-      if constexpr (E % 4 == 0) {
-#pragma unroll
-        for (int j = 0; j < E; j += 4) {
-          float4* d = reinterpret_cast<float4*>(acc + off + j);
-          float4 t = *d;
-          t.x = fmaf(a[at + j], b[at + j], t.x);
-          t.y = fmaf(a[at + j + 1], b[at + j + 1], t.y);
-          t.z = fmaf(a[at + j + 2], b[at + j + 2], t.z);
-          t.w = fmaf(a[at + j + 3], b[at + j + 3], t.w);
-          *d = t;
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < E; ++j) acc[off + j] = fmaf(a[at + j], b[at + j], acc[off + j]);
-      }
-    });
   }
 
   static ROPE_HD void store_e4m3_unit(uint8_t* row, const PrologueShape& sh, int64_t R, int u,
@@ -207,6 +166,19 @@ __device__ __forceinline__ float group_sum(float v, int G) {
   return v;
 }
 
+// cos/sin of a lane's rotary units (lane, lane + G, ...) for token (b, s), from angle source A.
+template <int U, int NP, class A>
+ROPE_HD void load_lane_angles(const RopePrologueParams& p, const PrologueShape& sh, int lane,
+                              int64_t b, int64_t s, float (&c)[U][NP], float (&sn)[U][NP]) {
+  if (sh.n_rot == 0) return;
+  const typename A::Token tok = A::token(p.rope, b, s);
+#pragma unroll
+  for (int k = 0; k < U; ++k) {
+    const int u = lane + k * sh.G;
+    if (u < sh.n_rot) A::template cos_sin<NP>(p.rope, tok, (long long)u * NP, c[k], sn[k]);
+  }
+}
+
 // Kind of row `row` of a token: 0 q, 1 k, 2 v; its head index within that kind.
 ROPE_HD int row_kind(const RopePrologueParams& p, int row, int& head) {
   if (row < p.Hq) { head = row; return 0; }
@@ -215,133 +187,111 @@ ROPE_HD int row_kind(const RopePrologueParams& p, int row, int& head) {
   return 2;
 }
 
-// Where a group's row lies: row gid of the flattened [tokens, n_rows] walk (gid < total).
-struct PrologueRow {
-  int64_t b, s;
-  int row, kind, head;
-  bool active;
-
-  ROPE_HD PrologueRow(const RopePrologueParams& p, const PrologueShape& sh, int64_t gid) {
-    active = gid < sh.total;
-    if (!active) gid = 0;  // an idle group of the last block: row 0 of token 0, never stored
-    const int64_t token = gid / sh.n_rows;
-    row = (int)(gid - token * sh.n_rows);
-    b = token / p.rope.S;
-    s = token - b * p.rope.S;
-    kind = row_kind(p, row, head);
-  }
-};
-
-// One lane of the forward: units l, l + G, ... of one row. Every group takes one row of the
-// flattened [tokens, n_rows] walk, so a lane's loads are issued once, up front (the row, its
-// norm weights, the position and the cache slot), before anything waits on the position: its
-// table read and the weights' latency then overlap the row's. No row loop: a block is 128 / G
-// rows, and new blocks keep the loads in flight (one row per lane: occupancy over rows in flight).
+// One lane of the forward: a token's units l, l + G, ... of the rows its group walks, one row
+// at a time. One row in flight: occupancy wins over more rows (their loads issued back to back
+// before the first reduction). bf16 D 128, one unit per lane, H200 (2026-12-02), us per call
+// for a 16384-token prefill / 256-token decode with a cache write: 1 row 126.2 / 5.02 (72
+// registers), 2 rows 158.1 / 6.08 (91), 4 rows 180.2 / 7.09 (126), 6 rows 248.3 / 7.56 (168);
+// 1 row capped at 64 registers (8 blocks per SM) 126.8 / 5.25.
 template <typename T, bool NEOX, int VB, int U, class A>
 struct PrologueLane {
   using Units = PrologueUnits<T, NEOX, VB>;
-  using X = typename Units::X;
-  using V = typename X::V;
-  static constexpr int NP = Units::NP, W = Units::W, NV = Units::NV;
+  static constexpr int NP = Units::NP, W = Units::W;
 
-  PrologueRow r;
-  int lane;
-  int64_t slot;  // the token's cache slot for k and v rows, -1: none
-  V raw[U][NV];
-  float x[U][W];
+  int64_t b, s;
+  int lane, group;   // lane in the group; the group's index among the token's groups
+  int64_t slot;      // the token's cache slot, -1: none
   float c[U][NP], sn[U][NP];
+  float x[U][W];
+  int row;
+  bool active;
 
-  ROPE_HD PrologueLane(const RopePrologueParams& p, const PrologueShape& sh, int64_t block, int thread)
-      : r(p, sh, block * (kPrologueThreads >> sh.g_log2) + (thread >> sh.g_log2)) {
+  ROPE_HD PrologueLane(const RopePrologueParams& p, const PrologueShape& sh, int64_t token,
+                       int first_group, int thread) {
+    b = token / p.rope.S;
+    s = token - b * p.rope.S;
     lane = thread & (sh.G - 1);
+    group = first_group + (thread >> sh.g_log2);
   }
 
   ROPE_HD int unit(const PrologueShape& sh, int k) const { return lane + k * sh.G; }
 
-  ROPE_HD bool normed(const RopePrologueParams& p) const {
-    return r.kind < 2 && (r.kind == 0 ? p.q_weight : p.k_weight) != nullptr;
+  // The token's position -> cos/sin of the lane's rotary units, and its cache slot.
+  ROPE_HD void load_token(const RopePrologueParams& p, const PrologueShape& sh) {
+    slot = -1;
+    if (p.k_cache != nullptr) {
+      const int64_t at = b * p.slots_stride_b + s * p.slots_stride_s;
+      const int64_t v = p.slots_kind == ROPE_POS_I32
+                            ? (int64_t)ldg_ro(static_cast<const int32_t*>(p.slots) + at)
+                            : (int64_t)ldg_ro(static_cast<const long long*>(p.slots) + at);
+      if (v >= 0 && v < p.num_slots) slot = v;  // any other value: skip, never an address
+    }
+    load_lane_angles<U, NP, A>(p, sh, lane, b, s, c, sn);
   }
 
-  // Issues the lane's loads and applies the weights; returns the lane's part of the row's sum of
-  // squares (the row's values in x, times the weights where normalised).
-  ROPE_HD float load(const RopePrologueParams& p, const PrologueShape& sh) {
+  // Loads row i * group_stride + group of the group's walk; returns the lane's part of its sum
+  // of squares.
+  ROPE_HD float load_row(const RopePrologueParams& p, const PrologueShape& sh, int i) {
+    row = group + i * sh.group_stride;
+    active = row < sh.n_rows;
     float part = 0.f;
-    if (!r.active) return part;
-    const int64_t R = p.rope.R;
-    const T* src = static_cast<const T*>(p.qkv) + r.b * p.qkv_stride_b + r.s * p.qkv_stride_s +
-                   (int64_t)r.row * p.rope.D;
-#pragma unroll
-    for (int k = 0; k < U; ++k)
-      if (unit(sh, k) < sh.n_units) Units::load_raw(src, sh, R, unit(sh, k), raw[k]);
-    slot = -1;
-    long long sv = -1;
-    if (r.kind > 0 && p.k_cache != nullptr) {
-      const int64_t at = r.b * p.slots_stride_b + r.s * p.slots_stride_s;
-      sv = p.slots_kind == ROPE_POS_I32 ? (long long)ldg_ro(static_cast<const int32_t*>(p.slots) + at)
-                                        : ldg_ro(static_cast<const long long*>(p.slots) + at);
-    }
-    const bool rotated = r.kind < 2 && sh.n_rot > 0;
-    const typename A::Token tok = rotated ? A::token(p.rope, r.b, r.s) : typename A::Token();
-    const bool nrm = normed(p);
-    if (nrm) {
-      const void* w = r.kind == 0 ? p.q_weight : p.k_weight;
-#pragma unroll
-      for (int k = 0; k < U; ++k)
-        if (unit(sh, k) < sh.n_units)
-          Units::weights(w, p.weights_like_qkv != 0, p.weight_offset, sh, R, unit(sh, k), x[k]);
-    }
-    if (rotated) {
-#pragma unroll
-      for (int k = 0; k < U; ++k)
-        if (unit(sh, k) < sh.n_rot) A::template cos_sin<NP>(p.rope, tok, (long long)unit(sh, k) * NP, c[k], sn[k]);
-    }
-    if (sv >= 0 && sv < p.num_slots) slot = sv;  // any other value: skip, never an address
+    if (!active) return part;
+    const T* src = static_cast<const T*>(p.qkv) + b * p.qkv_stride_b + s * p.qkv_stride_s +
+                   (int64_t)row * p.rope.D;
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int u = unit(sh, k);
       if (u >= sh.n_units) continue;
-      float v[W];
-      Units::unpack(raw[k], v);
+      Units::load(src, sh, p.rope.R, u, x[k]);
       const int n = Units::count(sh, u);
 #pragma unroll
-      for (int j = 0; j < W; ++j) {
-        if (j >= n) continue;
-        part = fmaf(v[j], v[j], part);
-        x[k][j] = nrm ? v[j] * x[k][j] : v[j];
-      }
+      for (int j = 0; j < W; ++j)
+        if (j < n) part = fmaf(x[k][j], x[k][j], part);
     }
     return part;
   }
 
-  // The row's norm (its weights already applied), rotation and stores; sum_sq: its sum of squares.
-  ROPE_HD void finish(const RopePrologueParams& p, const PrologueShape& sh, float sum_sq) {
-    if (!r.active) return;
+  // The loaded row's norm, rotation and stores; sum_sq: its sum of squares.
+  ROPE_HD void finish_loaded_row(const RopePrologueParams& p, const PrologueShape& sh, float sum_sq) {
+    if (active) finish_row(p, sh, row, x, sum_sq);
+  }
+
+  // Norm, rotation and stores of loaded row `r` (values v); `sum_sq` is its sum of squares.
+  ROPE_HD void finish_row(const RopePrologueParams& p, const PrologueShape& sh, int r, float (&v)[U][W],
+                          float sum_sq) {
+    int head;
+    const int kind = row_kind(p, r, head);
     const int64_t R = p.rope.R;
-    const int kind = r.kind, head = r.head;
     if (kind < 2) {
-      if (normed(p)) {
+      const void* w = kind == 0 ? p.q_weight : p.k_weight;
+      if (w != nullptr) {
         const float rstd = 1.0f / sqrtf(sum_sq / (float)p.rope.D + p.eps);
 #pragma unroll
-        for (int k = 0; k < U; ++k)
+        for (int k = 0; k < U; ++k) {
+          const int u = unit(sh, k);
+          if (u >= sh.n_units) continue;
+          float wk[W];
+          Units::weights(w, p.weights_like_qkv != 0, p.weight_offset, sh, R, u, wk);
 #pragma unroll
-          for (int j = 0; j < W; ++j) x[k][j] *= rstd;
+          for (int j = 0; j < W; ++j) v[k][j] = v[k][j] * rstd * wk[j];
+        }
       }
 #pragma unroll
       for (int k = 0; k < U; ++k)
-        if (unit(sh, k) < sh.n_rot) Units::rotate(x[k], c[k], sn[k]);
+        if (unit(sh, k) < sh.n_rot) Units::rotate(v[k], c[k], sn[k]);
     }
     if (kind < 2 || !p.inplace) {
-      T* dst = p.inplace ? static_cast<T*>(const_cast<void*>(p.qkv)) + r.b * p.qkv_stride_b +
-                               r.s * p.qkv_stride_s + (int64_t)r.row * p.rope.D
-                         : static_cast<T*>(p.out[kind]) + r.b * p.out_stride[kind][0] +
-                               r.s * p.out_stride[kind][1] + head * p.out_stride[kind][2];
+      T* dst = p.inplace ? static_cast<T*>(const_cast<void*>(p.qkv)) + b * p.qkv_stride_b +
+                               s * p.qkv_stride_s + (int64_t)r * p.rope.D
+                         : static_cast<T*>(p.out[kind]) + b * p.out_stride[kind][0] +
+                               s * p.out_stride[kind][1] + head * p.out_stride[kind][2];
 #pragma unroll
       for (int k = 0; k < U; ++k) {
         const int u = unit(sh, k);
-        if (u < sh.n_units) Units::store(dst, sh, R, u, x[k]);
+        if (u < sh.n_units) Units::store(dst, sh, R, u, v[k]);
       }
     }
-    if (slot >= 0) {
+    if (kind > 0 && slot >= 0) {
       const int64_t* st = kind == 1 ? p.k_cache_stride : p.v_cache_stride;
       const int64_t at = slot * st[0] + head * st[1];
       void* cache = kind == 1 ? p.k_cache : p.v_cache;
@@ -350,10 +300,10 @@ struct PrologueLane {
         const int u = unit(sh, k);
         if (u >= sh.n_units) continue;
         if (p.cache_fp8)
-          Units::store_e4m3_unit(static_cast<uint8_t*>(cache) + at, sh, R, u, x[k],
+          Units::store_e4m3_unit(static_cast<uint8_t*>(cache) + at, sh, R, u, v[k],
                                  kind == 1 ? p.k_scale : p.v_scale);
         else
-          Units::store(static_cast<T*>(cache) + at, sh, R, u, x[k]);
+          Units::store(static_cast<T*>(cache) + at, sh, R, u, v[k]);
       }
     }
   }
@@ -362,89 +312,78 @@ struct PrologueLane {
 template <typename T, bool NEOX, int VB, int U, class A>
 __global__ void __launch_bounds__(kPrologueThreads)
     rope_prologue_kernel(const RopePrologueParams p, const PrologueShape sh) {
-  PrologueLane<T, NEOX, VB, U, A> lane(p, sh, blockIdx.x, threadIdx.x);
+  PrologueLane<T, NEOX, VB, U, A> lane(p, sh, blockIdx.x, blockIdx.y * (kPrologueThreads >> sh.g_log2),
+                                       threadIdx.x);
   wait_for_previous_grid();
-  // idle groups of the last block take part (0) so that the warp's shuffles stay uniform
-  lane.finish(p, sh, group_sum(lane.load(p, sh), sh.G));
+  lane.load_token(p, sh);
+  for (int i = 0; i < sh.row_iters; ++i) {  // the same count for every lane: shuffles stay uniform
+    const float part = lane.load_row(p, sh, i);
+    lane.finish_loaded_row(p, sh, group_sum(part, sh.G));
+  }
 }
 
-// One lane of the backward: the forward's lanes over the rows its block walks (consecutive chunks
-// of 128 / G rows of the flattened walk). A row's gradient and input loads are issued (issue) a
-// row ahead, before the previous row's reductions wait; its position and cos/sin (L1 hits: the
-// token's rows are on this block) and its weights (read by every row of the block) are read when
-// it is processed. The weight-gradient sums live in
-// the block's shared memory ([2][groups, D]: q's, then k's; a lane's elements are its own, the
-// same units in every row), not in registers: occupancy.
+// One lane of the backward: like the forward's, over the tokens its block walks, with its
+// weight-gradient sums.
 template <typename T, bool NEOX, int VB, int U, class A>
 struct PrologueGradLane {
   using Units = PrologueUnits<T, NEOX, VB>;
-  using V = typename Units::X::V;
-  static constexpr int NP = Units::NP, W = Units::W, NV = Units::NV;
+  static constexpr int NP = Units::NP, W = Units::W;
 
-  PrologueRow r;
+  int64_t b, s;
   int lane, group;
-  bool normed, has_grad;
-  float rstd;
-  V graw[U][NV], xraw[U][NV];
+  float c[U][NP], sn[U][NP];
   float g[U][W], n[U][W];
+  float q_sum[U][W], k_sum[U][W];  // this lane's sums of g * n, per weight element
+  int row, kind, head;
+  bool active, normed;
+  float rstd;
 
-  ROPE_HD PrologueGradLane(const RopePrologueParams& p, const PrologueShape& sh, int64_t chunk, int thread)
-      : r(p, sh, chunk * (kPrologueThreads >> sh.g_log2) + (thread >> sh.g_log2)) {
+  ROPE_HD PrologueGradLane(const PrologueShape& sh, int thread) {
     lane = thread & (sh.G - 1);
     group = thread >> sh.g_log2;
+#pragma unroll
+    for (int k = 0; k < U; ++k)
+#pragma unroll
+      for (int j = 0; j < W; ++j) q_sum[k][j] = k_sum[k][j] = 0.f;
   }
 
   ROPE_HD int unit(const PrologueShape& sh, int k) const { return lane + k * sh.G; }
 
-  // Issues the loads of the row's output gradient and, where it is normalised, its input row.
-  ROPE_HD void issue(const RopePrologueParams& p, const PrologueShape& sh) {
-    normed = has_grad = false;
-    if (!r.active) return;
-    const int kind = r.kind;
-    const int64_t R = p.rope.R;
-    const T* gsrc = static_cast<const T*>(p.grad[kind]);
-    has_grad = gsrc != nullptr;
-    if (has_grad)
-      gsrc += r.b * p.grad_stride[kind][0] + r.s * p.grad_stride[kind][1] + r.head * p.grad_stride[kind][2];
-    normed = kind < 2 && (kind == 0 ? p.q_weight : p.k_weight) != nullptr;
-    const T* xsrc = static_cast<const T*>(p.qkv) + r.b * p.qkv_stride_b + r.s * p.qkv_stride_s +
-                    (int64_t)r.row * p.rope.D;
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-      const int u = unit(sh, k);
-      if (u >= sh.n_units) continue;
-      if (has_grad) Units::load_raw(gsrc, sh, R, u, graw[k]);
-      if (normed) Units::load_raw(xsrc, sh, R, u, xraw[k]);
-    }
+  ROPE_HD void load_token(const RopePrologueParams& p, const PrologueShape& sh, int64_t token) {
+    b = token / p.rope.S;
+    s = token - b * p.rope.S;
+    load_lane_angles<U, NP, A>(p, sh, lane, b, s, c, sn);
   }
 
-  // The issued row's output gradient, rotated back (p.rope.inverse), and input; returns the
-  // lane's part of the input's sum of squares.
-  ROPE_HD float load(const RopePrologueParams& p, const PrologueShape& sh) {
+  // Loads the output gradient of row i, rotated back (p.rope.inverse), and the input row where
+  // it is normalised; returns the lane's part of the input's sum of squares.
+  ROPE_HD float load_row(const RopePrologueParams& p, const PrologueShape& sh, int i) {
+    row = group + i * sh.group_stride;
+    active = row < sh.n_rows;
+    normed = false;
     float sum = 0.f;
-    if (!r.active) return sum;
-    const int kind = r.kind;
-    const bool rotated = kind < 2 && sh.n_rot > 0;
-    float c[U][NP], sn[U][NP];
-    if (rotated) {
-      const typename A::Token tok = A::token(p.rope, r.b, r.s);
-#pragma unroll
-      for (int k = 0; k < U; ++k)
-        if (unit(sh, k) < sh.n_rot) A::template cos_sin<NP>(p.rope, tok, (long long)unit(sh, k) * NP, c[k], sn[k]);
-    }
+    if (!active) return sum;
+    kind = row_kind(p, row, head);
+    const int64_t R = p.rope.R;
+    const T* gsrc = static_cast<const T*>(p.grad[kind]);
+    if (gsrc != nullptr)
+      gsrc += b * p.grad_stride[kind][0] + s * p.grad_stride[kind][1] + head * p.grad_stride[kind][2];
+    normed = kind < 2 && (kind == 0 ? p.q_weight : p.k_weight) != nullptr;
+    const T* xsrc = static_cast<const T*>(p.qkv) + b * p.qkv_stride_b + s * p.qkv_stride_s +
+                    (int64_t)row * p.rope.D;
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int u = unit(sh, k);
       if (u >= sh.n_units) continue;
-      if (has_grad) {
-        Units::unpack(graw[k], g[k]);
+      if (gsrc != nullptr) {
+        Units::load(gsrc, sh, R, u, g[k]);
       } else {
 #pragma unroll
         for (int j = 0; j < W; ++j) g[k][j] = 0.f;
       }
-      if (rotated && u < sh.n_rot) Units::rotate(g[k], c[k], sn[k]);
+      if (kind < 2 && u < sh.n_rot) Units::rotate(g[k], c[k], sn[k]);
       if (normed) {
-        Units::unpack(xraw[k], n[k]);
+        Units::load(xsrc, sh, R, u, n[k]);
         const int cnt = Units::count(sh, u);
 #pragma unroll
         for (int j = 0; j < W; ++j)
@@ -454,27 +393,26 @@ struct PrologueGradLane {
     return sum;
   }
 
-  // n = x * rstd, the weight-gradient sums (into `sums`: the block's [2][groups, D]),
-  // g = g * (offset + w); returns the lane's part of sum(g * n).
-  ROPE_HD float norm_row(const RopePrologueParams& p, const PrologueShape& sh, float sum_sq, float* sums) {
+  // n = x * rstd, the weight-gradient sums, g = g * (offset + w); returns the lane's part of
+  // sum(g * n).
+  ROPE_HD float norm_row(const RopePrologueParams& p, const PrologueShape& sh, float sum_sq) {
     float dot = 0.f;
-    if (!r.active || !normed) return dot;
+    if (!active || !normed) return dot;
     rstd = 1.0f / sqrtf(sum_sq / (float)p.rope.D + p.eps);
-    const void* w = r.kind == 0 ? p.q_weight : p.k_weight;
-    float* acc = sums + ((int64_t)r.kind * (kPrologueThreads >> sh.g_log2) + group) * p.rope.D;
+    const void* w = kind == 0 ? p.q_weight : p.k_weight;
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int u = unit(sh, k);
       if (u >= sh.n_units) continue;
       float wk[W];
       Units::weights(w, p.weights_like_qkv != 0, p.weight_offset, sh, p.rope.R, u, wk);
-#pragma unroll
-      for (int j = 0; j < W; ++j) n[k][j] *= rstd;
-      Units::add_to(acc, sh, p.rope.R, u, g[k], n[k]);
       const int cnt = Units::count(sh, u);
 #pragma unroll
       for (int j = 0; j < W; ++j) {
         if (j >= cnt) continue;
+        n[k][j] *= rstd;
+        if (kind == 0) q_sum[k][j] = fmaf(g[k][j], n[k][j], q_sum[k][j]);
+        else k_sum[k][j] = fmaf(g[k][j], n[k][j], k_sum[k][j]);
         g[k][j] *= wk[j];
         dot = fmaf(g[k][j], n[k][j], dot);
       }
@@ -483,11 +421,11 @@ struct PrologueGradLane {
   }
 
   // grad_x = rstd * (g - n * mean(g * n)) (normalised rows) or g, into grad_qkv.
-  ROPE_HD void finish(const RopePrologueParams& p, const PrologueShape& sh, float dot) {
-    if (!r.active) return;
+  ROPE_HD void finish_row(const RopePrologueParams& p, const PrologueShape& sh, float dot) {
+    if (!active) return;
     const float mean = dot / (float)p.rope.D;
-    T* dst = static_cast<T*>(p.grad_qkv) + r.b * p.grad_qkv_stride_b + r.s * p.grad_qkv_stride_s +
-             (int64_t)r.row * p.rope.D;
+    T* dst = static_cast<T*>(p.grad_qkv) + b * p.grad_qkv_stride_b + s * p.grad_qkv_stride_s +
+             (int64_t)row * p.rope.D;
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int u = unit(sh, k);
@@ -499,75 +437,62 @@ struct PrologueGradLane {
       Units::store(dst, sh, p.rope.R, u, g[k]);
     }
   }
+
+  // The lane's sums of one weight (q's or k's) into its group's row of the block's [groups, D]
+  // scratch. (One template per weight: selecting the array at run time would put it in local
+  // memory.)
+  template <bool Q>
+  ROPE_HD void put_sums(const RopePrologueParams& p, const PrologueShape& sh, float* scratch) const {
+    float* dst = scratch + (int64_t)group * p.rope.D;
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      const int u = unit(sh, k);
+      if (u >= sh.n_units) continue;
+      Units::vectors(sh, p.rope.R, u, [&](int64_t off, int at) {
+#pragma unroll
+        for (int j = 0; j < Units::E; ++j) dst[off + j] = Q ? q_sum[k][at + j] : k_sum[k][at + j];
+      });
+    }
+  }
 };
 
 // Thread t's share of a block's partial sums: element d (t, t + 128, ...) of the block's row,
-// the groups' rows of `sums` added in order.
-ROPE_HD void add_group_sums(const float* sums, int groups, int64_t D, int thread, float* out_row) {
+// the groups' rows of the scratch added in order.
+ROPE_HD void add_group_sums(const float* scratch, int groups, int64_t D, int thread, float* out_row) {
   for (int64_t d = thread; d < D; d += kPrologueThreads) {
     float total = 0.f;
-    for (int gi = 0; gi < groups; ++gi) total += sums[gi * D + d];
+    for (int gi = 0; gi < groups; ++gi) total += scratch[gi * D + d];
     out_row[d] = total;
   }
 }
 
-// The backward block's chunks [first, end): consecutive ones, so that a token's rows (its
-// position and cos/sin row, L1 hits after the first) stay on one block.
-ROPE_HD void prologue_block_chunks(const PrologueShape& sh, int64_t block, int64_t blocks,
-                                   int64_t& first, int64_t& end) {
-  const int64_t groups = kPrologueThreads >> sh.g_log2;
-  const int64_t chunks = (sh.total + groups - 1) / groups;
-  const int64_t per = (chunks + blocks - 1) / blocks;
-  first = block * per;
-  end = first + per < chunks ? first + per : chunks;
-}
-
-// U == 1: at most 128 registers (4 blocks per SM); with the next row's loads in flight the
-// common kernels (fp16/bf16 NeoX vectors) would take 136, 3 blocks per SM.
 template <typename T, bool NEOX, int VB, int U, class A>
-__global__ void __launch_bounds__(kPrologueThreads, U == 1 ? 4 : 1)
+__global__ void __launch_bounds__(kPrologueThreads)
     rope_prologue_backward_kernel(const RopePrologueParams p, const PrologueShape sh) {
-  extern __shared__ float sums[];  // [2][groups, D]: the block's weight-gradient sums, q's then k's
-  const int groups = kPrologueThreads >> sh.g_log2;
-  const int64_t D = p.rope.D;
-  for (int64_t i = threadIdx.x; i < 2 * groups * D; i += kPrologueThreads) sums[i] = 0.f;
-  __syncthreads();
+  extern __shared__ float scratch[];  // [groups, D]: the block's weight-gradient sums
+  PrologueGradLane<T, NEOX, VB, U, A> lane(sh, threadIdx.x);
   wait_for_previous_grid();
-  int64_t chunk, end;
-  prologue_block_chunks(sh, blockIdx.x, gridDim.x, chunk, end);
-  using Lane = PrologueGradLane<T, NEOX, VB, U, A>;
-  const auto process = [&](Lane& lane) {
-    const float sum_sq = group_sum(lane.load(p, sh), sh.G);
-    lane.finish(p, sh, group_sum(lane.norm_row(p, sh, sum_sq, sums), sh.G));
-  };
-  if constexpr (U == 1) {
-    // the next chunk's loads are issued before this one's reductions wait
-    if (chunk < end) {
-      Lane lane(p, sh, chunk, threadIdx.x);
-      lane.issue(p, sh);
-      for (;;) {
-        const bool more = chunk + 1 < end;
-        Lane next(p, sh, more ? chunk + 1 : chunk, threadIdx.x);
-        if (more) next.issue(p, sh);
-        process(lane);
-        if (!more) break;
-        lane = next;
-        ++chunk;
-      }
-    }
-  } else {
-    // four units per lane already keep as many bytes in flight as the next row would add
-    for (; chunk < end; ++chunk) {
-      Lane lane(p, sh, chunk, threadIdx.x);
-      lane.issue(p, sh);
-      process(lane);
+  const int64_t tokens = p.rope.B * p.rope.S;
+  for (int64_t token = blockIdx.x; token < tokens; token += gridDim.x) {
+    lane.load_token(p, sh, token);
+    for (int i = 0; i < sh.row_iters; ++i) {
+      const float sum_sq = group_sum(lane.load_row(p, sh, i), sh.G);
+      const float dot = group_sum(lane.norm_row(p, sh, sum_sq), sh.G);
+      lane.finish_row(p, sh, dot);
     }
   }
-  __syncthreads();
-  if (p.q_weight_partials != nullptr)
-    add_group_sums(sums, groups, D, threadIdx.x, p.q_weight_partials + blockIdx.x * D);
-  if (p.k_weight_partials != nullptr)
-    add_group_sums(sums + groups * D, groups, D, threadIdx.x, p.k_weight_partials + blockIdx.x * D);
+  const int groups = kPrologueThreads >> sh.g_log2;
+  if (p.q_weight_partials != nullptr) {
+    lane.template put_sums<true>(p, sh, scratch);
+    __syncthreads();
+    add_group_sums(scratch, groups, p.rope.D, threadIdx.x, p.q_weight_partials + blockIdx.x * p.rope.D);
+    __syncthreads();
+  }
+  if (p.k_weight_partials != nullptr) {
+    lane.template put_sums<false>(p, sh, scratch);
+    __syncthreads();
+    add_group_sums(scratch, groups, p.rope.D, threadIdx.x, p.k_weight_partials + blockIdx.x * p.rope.D);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -577,8 +502,9 @@ struct ProloguePlan {
   PrologueShape sh;
   bool vec16;         // 16-byte vectors (else single elements)
   int units_per_lane; // U: 1 or 4
-  int64_t blocks;     // grid: one row per group (forward), or row-walking blocks (backward)
-  int smem_bytes;     // backward: [2][groups, D] floats
+  int64_t blocks;     // grid x: tokens (forward) or token-walking blocks (backward)
+  int splits;         // grid y (forward)
+  int smem_bytes;     // backward: [groups, D] floats
 };
 
 inline bool prologue_params_ok(const RopePrologueParams& p) {
@@ -665,23 +591,26 @@ inline bool plan_prologue(const RopePrologueParams& p, const RopeDevice& dev, bo
   const int64_t groups = kPrologueThreads >> g_log2;  // per block
   const int64_t tokens = r.B * r.S;
   const int64_t sms = dev.num_sms > 0 ? dev.num_sms : 132;
-  // q, k and v rows; the forward skips v where it neither writes nor caches it
-  const bool v_rows = backward || !p.inplace || p.k_cache != nullptr;
-  sh.n_rows = (int)(p.Hq + p.Hk + (v_rows ? p.Hk : 0));
-  sh.total = tokens * sh.n_rows;
-  const int64_t chunks = (sh.total + groups - 1) / groups;  // blocks of one row per group
-  if (chunks >= (int64_t(1) << 31)) return false;
   if (!backward) {
-    plan.blocks = chunks;
+    const bool v_rows = !p.inplace || p.k_cache != nullptr;
+    sh.n_rows = (int)(p.Hq + p.Hk + (v_rows ? p.Hk : 0));
+    // few tokens: a token's rows over several blocks, so that every SM gets some
+    const int64_t most = (sh.n_rows + groups - 1) / groups;  // splits that give every group a row
+    const int64_t wanted = tokens > 0 ? (4 * sms + tokens - 1) / tokens : 1;
+    plan.splits = (int)(wanted < most ? wanted : most);
+    if (plan.splits < 1) plan.splits = 1;
+    sh.group_stride = (int)(groups * plan.splits);
+    plan.blocks = tokens;
     plan.smem_bytes = 0;
+    if (tokens >= (int64_t(1) << 31)) return false;
   } else {
-    // enough blocks for every SM's resident slots, each adding up its run of chunks' weight
-    // gradients into one row of partial sums; no block without chunks (prologue_block_chunks)
-    const int64_t most = kPrologueBackwardBlocksPerSm * sms;
-    const int64_t per = chunks > 0 ? (chunks + most - 1) / most : 1;
-    plan.blocks = (chunks + per - 1) / per;
-    plan.smem_bytes = (int)(2 * groups * r.D * (int64_t)sizeof(float));
+    sh.n_rows = (int)(p.Hq + 2 * p.Hk);
+    sh.group_stride = (int)groups;
+    plan.splits = 1;
+    plan.blocks = tokens < 8 * sms ? tokens : 8 * sms;
+    plan.smem_bytes = (int)(groups * r.D * (int64_t)sizeof(float));
   }
+  sh.row_iters = (int)((sh.n_rows + sh.group_stride - 1) / sh.group_stride);
   return true;
 }
 

@@ -74,8 +74,9 @@ struct Launcher {
 
   template <typename T, bool NEOX, int VB, int U, class A>
   cudaError_t prologue(const RopePrologueParams& p, const ProloguePlan& plan) {
-    return launch_kernel(rope_prologue_kernel<T, NEOX, VB, U, A>, plan.blocks, kPrologueThreads, pdl,
-                         stream, p, plan.sh);
+    return launch_kernel_grid(rope_prologue_kernel<T, NEOX, VB, U, A>,
+                              dim3((unsigned)plan.blocks, (unsigned)plan.splits), kPrologueThreads, 0,
+                              pdl, stream, p, plan.sh);
   }
 
   template <typename T, bool NEOX, int VB, int U, class A>

@@ -149,60 +149,67 @@ struct Emulator {
     return cudaSuccess;
   }
 
-  // rope_prologue_kernel, warp by warp: each group's loads, group sums, then stores.
+  // rope_prologue_kernel, warp by warp, each row's loads, group sums, then stores.
   template <typename T, bool NEOX, int VB, int U, class A>
   cudaError_t prologue(const RopePrologueParams& p, const ProloguePlan& plan) {
     using Lane = PrologueLane<T, NEOX, VB, U, A>;
     record_prologue<T, NEOX, VB, U>("prologue");
     const PrologueShape& sh = plan.sh;
-    for (long long block = 0; block < plan.blocks; ++block)
-      for (int w = 0; w < kPrologueThreads; w += 32) {
-        std::vector<Lane> lanes;
-        lanes.reserve(32);
-        float part[32];
-        for (int l = 0; l < 32; ++l) {
-          lanes.emplace_back(p, sh, block, w + l);
-          part[l] = lanes[l].load(p, sh);
+    const int groups = kPrologueThreads >> sh.g_log2;
+    for (long long token = 0; token < plan.blocks; ++token)
+      for (int y = 0; y < plan.splits; ++y)
+        for (int w = 0; w < kPrologueThreads; w += 32) {
+          std::vector<Lane> lanes;
+          lanes.reserve(32);
+          for (int l = 0; l < 32; ++l) {
+            lanes.emplace_back(p, sh, token, y * groups, w + l);
+            lanes[l].load_token(p, sh);
+          }
+          for (int i = 0; i < sh.row_iters; ++i) {
+            float part[32];
+            for (int l = 0; l < 32; ++l) part[l] = lanes[l].load_row(p, sh, i);
+            emulate_group_sum(part, sh.G);
+            for (int l = 0; l < 32; ++l) lanes[l].finish_loaded_row(p, sh, part[l]);
+          }
         }
-        emulate_group_sum(part, sh.G);
-        for (int l = 0; l < 32; ++l) lanes[l].finish(p, sh, part[l]);
-      }
     return cudaSuccess;
   }
 
-  // rope_prologue_backward_kernel: each block's chunks of rows warp by warp, then its partial sums.
+  // rope_prologue_backward_kernel: each block's lanes over its tokens, then its partial sums.
   template <typename T, bool NEOX, int VB, int U, class A>
   cudaError_t prologue_backward(const RopePrologueParams& p, const ProloguePlan& plan) {
     using Lane = PrologueGradLane<T, NEOX, VB, U, A>;
     record_prologue<T, NEOX, VB, U>("prologue_backward");
     const PrologueShape& sh = plan.sh;
     const int groups = kPrologueThreads >> sh.g_log2;
-    std::vector<float> sums((size_t)2 * groups * p.rope.D);
+    const long long tokens = p.rope.B * p.rope.S;
+    std::vector<float> scratch((size_t)groups * p.rope.D);
     for (long long bid = 0; bid < plan.blocks; ++bid) {
-      std::fill(sums.begin(), sums.end(), 0.f);
-      int64_t first, end;
-      prologue_block_chunks(sh, bid, plan.blocks, first, end);
-      for (int64_t chunk = first; chunk < end; ++chunk)
+      std::vector<Lane> lanes;
+      lanes.reserve(kPrologueThreads);
+      for (int t = 0; t < kPrologueThreads; ++t) lanes.emplace_back(sh, t);
+      for (long long token = bid; token < tokens; token += plan.blocks)
         for (int w = 0; w < kPrologueThreads; w += 32) {
-          std::vector<Lane> lanes;
-          lanes.reserve(32);
-          float part[32];
-          for (int l = 0; l < 32; ++l) {
-            lanes.emplace_back(p, sh, chunk, w + l);
-            lanes[l].issue(p, sh);
-            part[l] = lanes[l].load(p, sh);
+          Lane* warp = &lanes[w];
+          for (int l = 0; l < 32; ++l) warp[l].load_token(p, sh, token);
+          for (int i = 0; i < sh.row_iters; ++i) {
+            float part[32];
+            for (int l = 0; l < 32; ++l) part[l] = warp[l].load_row(p, sh, i);
+            emulate_group_sum(part, sh.G);
+            for (int l = 0; l < 32; ++l) part[l] = warp[l].norm_row(p, sh, part[l]);
+            emulate_group_sum(part, sh.G);
+            for (int l = 0; l < 32; ++l) warp[l].finish_row(p, sh, part[l]);
           }
-          emulate_group_sum(part, sh.G);
-          for (int l = 0; l < 32; ++l) part[l] = lanes[l].norm_row(p, sh, part[l], sums.data());
-          emulate_group_sum(part, sh.G);
-          for (int l = 0; l < 32; ++l) lanes[l].finish(p, sh, part[l]);
         }
-      for (int t = 0; t < kPrologueThreads; ++t) {
-        if (p.q_weight_partials != nullptr)
-          add_group_sums(sums.data(), groups, p.rope.D, t, p.q_weight_partials + bid * p.rope.D);
-        if (p.k_weight_partials != nullptr)
-          add_group_sums(sums.data() + (size_t)groups * p.rope.D, groups, p.rope.D, t,
-                         p.k_weight_partials + bid * p.rope.D);
+      if (p.q_weight_partials != nullptr) {
+        for (int t = 0; t < kPrologueThreads; ++t) lanes[t].template put_sums<true>(p, sh, scratch.data());
+        for (int t = 0; t < kPrologueThreads; ++t)
+          add_group_sums(scratch.data(), groups, p.rope.D, t, p.q_weight_partials + bid * p.rope.D);
+      }
+      if (p.k_weight_partials != nullptr) {
+        for (int t = 0; t < kPrologueThreads; ++t) lanes[t].template put_sums<false>(p, sh, scratch.data());
+        for (int t = 0; t < kPrologueThreads; ++t)
+          add_group_sums(scratch.data(), groups, p.rope.D, t, p.k_weight_partials + bid * p.rope.D);
       }
     }
     return cudaSuccess;
