@@ -4,7 +4,7 @@ tools/gpu_cuda_check.py's prologue cases (the same the GPU check runs) against t
 reference and rope_ops' float32 torch ops: every dtype, NeoX and GPT-J, partial rotary, odd head
 dims, strided rows, in place, norms on and off with and without the weight offset, caches of the
 input's dtype and float8 with random and invalid slots, float8 saturation and NaN, the backward
-with the weights' gradients (deterministic)."""
+with the weights' gradients (deterministic), also with blocks that walk several tokens."""
 
 from __future__ import annotations
 

@@ -1161,6 +1161,12 @@ def prologue_cases(rn: Runner):
     args, inv, ref_pos = prologue_call(rn, gen, dtype=torch.bfloat16, style="neox", thd=True, D=128,
                                        r=128, Hq=64, Hk=8, T=2, cache="same")
     rn.case("prologue decode split rows", lambda: prologue_forward_problems(rn, "decode", args, inv, ref_pos))
+    # more tokens than backward blocks (8 per SM): each block walks several tokens, adding their
+    # weight gradients up before its row of partial sums
+    bargs, binv, bpos = prologue_call(rn, gen, dtype=torch.bfloat16, style="neox", thd=True, D=128,
+                                      r=128, Hq=4, Hk=2, T=2500, offset=1.0)
+    rn.case("prologue backward, several tokens per block",
+            lambda: prologue_backward_problems(rn, "chunks", bargs, binv, bpos))
     # slots anywhere in int64 / int32: only [0, num_slots) are written
     for sdtype, extremes in ((torch.int64, (-1, -7, 1 << 40, -(1 << 62), (1 << 63) - 1)),
                              (torch.int32, (-1, -(1 << 31), (1 << 31) - 1))):
