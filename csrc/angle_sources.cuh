@@ -77,6 +77,11 @@ ROPE_HD void load_freq_turns(const int64_t* freq_turns, int64_t i0, unsigned lon
   }
 }
 
+// Elements between the tables' rows (RopeParams.table_row_stride; 0 for rows back to back).
+ROPE_HD int64_t table_row_stride(const RopeParams& p) {
+  return p.table_row_stride != 0 ? p.table_row_stride : (p.R >> 1);
+}
+
 // NC consecutive float32 values of cos and sin for frequencies [i0, i0 + NC) at position pos;
 // sin negated for the inverse rotation. Table rows only for 0 <= pos < table_rows, and only
 // when not computing every row (on_the_fly, which needs freq_turns).
@@ -85,7 +90,7 @@ ROPE_HD void load_cos_sin(const RopeParams& p, int64_t pos, int64_t i0, float* c
                           bool on_the_fly = false) {
   on_the_fly = on_the_fly && p.freq_turns != nullptr;
   if (!on_the_fly && pos >= 0 && pos < p.table_rows) {
-    const int64_t off = pos * (p.R >> 1) + i0;
+    const int64_t off = pos * table_row_stride(p) + i0;
     if constexpr (NC % 4 == 0) {
 #pragma unroll
       for (int j = 0; j < NC; j += 4) {
@@ -153,7 +158,9 @@ struct TableAngles {
   static bool aligned(const RopeParams& p, const int nc) {
     const uintptr_t table_align = nc % 4 == 0 ? 16 : nc % 2 == 0 ? 8 : 4;
     const auto at = [](const void* ptr, uintptr_t a) { return (reinterpret_cast<uintptr_t>(ptr) & (a - 1)) == 0; };
-    if (p.table_rows > 0 && (!at(p.cos_table, table_align) || !at(p.sin_table, table_align))) return false;
+    if (p.table_rows > 0 && (!at(p.cos_table, table_align) || !at(p.sin_table, table_align) ||
+                             (table_row_stride(p) * 4) % (int64_t)table_align != 0))
+      return false;
     return p.freq_turns == nullptr || at(p.freq_turns, 16);
   }
 

@@ -517,7 +517,8 @@ inline bool prologue_params_ok(const RopePrologueParams& p) {
   if (r.B == 0 || r.S == 0) return true;
   if (p.qkv == nullptr) return false;
   if (r.R > 0 && r.pos_kind != ROPE_POS_OFFSET && r.pos == nullptr) return false;
-  if (r.R > 0 && (r.table_rows < 0 || (r.table_rows > 0 && (r.cos_table == nullptr || r.sin_table == nullptr))))
+  if (r.R > 0 && (r.table_rows < 0 || r.table_row_stride < 0 ||
+                  (r.table_rows > 0 && (r.cos_table == nullptr || r.sin_table == nullptr))))
     return false;
   if (p.k_cache != nullptr && (p.v_cache == nullptr || p.slots == nullptr || p.num_slots < 0 ||
                                (p.slots_kind != ROPE_POS_I32 && p.slots_kind != ROPE_POS_I64)))

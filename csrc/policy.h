@@ -73,7 +73,7 @@ inline bool params_ok(const RopeParams& p) {
   if (p.Hq > 0 && (p.q == nullptr || p.q_out == nullptr)) return false;
   if (p.Hk > 0 && (p.k == nullptr || p.k_out == nullptr)) return false;
   if (p.pos_kind != ROPE_POS_OFFSET && p.pos == nullptr) return false;
-  if (p.table_rows < 0) return false;
+  if (p.table_rows < 0 || p.table_row_stride < 0) return false;
   if (p.pos_kind < ROPE_POS_OFFSET || p.pos_kind > ROPE_POS_I64) return false;
   if (p.table_rows > 0 && (p.cos_table == nullptr || p.sin_table == nullptr)) return false;
   if (p.angle_kind == ROPE_ANGLES_TOKEN) {

@@ -54,10 +54,13 @@ typedef struct RopeParams {
   int pos_kind;  // RopePosKind
   int64_t pos_stride_b, pos_stride_s;  // element strides (0 allowed)
   int64_t pos_offset;
-  // Tables: contiguous float32 [table_rows, R/2].
+  // Tables: float32 [table_rows, R/2], stride 1 along frequencies, rows table_row_stride
+  // elements apart in both (0: R/2, rows back to back). cos and sin may be the two halves of one
+  // [table_rows, R] cos|sin cache (row stride R), read in place.
   const float* cos_table;
   const float* sin_table;
   int64_t table_rows;
+  int64_t table_row_stride;
   const int64_t* freq_turns;  // [R/2] or null (caller tables: out-of-table rows are NaN)
   float attention_factor;  // m, applied to on-the-fly rows only (tables already hold m*cos)
   // RopeAngleKind; 0 (the table) for a zero-initialised RopeParams.

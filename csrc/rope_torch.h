@@ -298,8 +298,15 @@ inline void fill_positions(RopeParams& p, const Call& c) {
   }
 }
 
+// Whether the table source reads cos and sin where they are: stride 1 along frequencies and one
+// positive row stride for both (the two halves of one [P, R] cos|sin cache qualify).
+inline bool rows_in_place(const Tensor& cos, const Tensor& sin) {
+  const auto unit = [](const Tensor& t) { return t.size(1) <= 1 || t.stride(1) == 1; };
+  return unit(cos) && unit(sin) && (cos.size(0) <= 1 || (cos.stride(0) > 0 && cos.stride(0) == sin.stride(0)));
+}
+
 // The rest of RopeParams: rotation and the angle source's fields: positions (on q's device) and
-// tables (contiguous float32: see contiguous_tables), or the per-token cos/sin.
+// tables (float32, read in place: see rows_in_place), or the per-token cos/sin.
 inline void fill_angles(RopeParams& p, const Call& c) {
   const Tensor& q = c.q;
   TORCH_CHECK(c.rotary_dim > 0 && c.rotary_dim % 2 == 0 && c.rotary_dim <= p.D,
@@ -325,13 +332,15 @@ inline void fill_angles(RopeParams& p, const Call& c) {
   const Tensor& cos = c.cos;
   const Tensor& sin = c.sin;
   TORCH_CHECK(cos.defined() && sin.defined() && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(1) == c.rotary_dim / 2 &&
+                  sin.scalar_type() == at::kFloat && cos.dim() == 2 && sin.sizes() == cos.sizes() &&
+                  cos.size(1) == c.rotary_dim / 2 && rows_in_place(cos, sin) &&
                   cos.device() == q.device() && sin.device() == q.device(),
-              "rope_ops_cuda: cos/sin must be contiguous float32 [P, rotary_dim/2] on q's device");
+              "rope_ops_cuda: cos/sin must be float32 [P, rotary_dim/2] on q's device, stride 1 "
+              "along frequencies and one row stride");
   p.cos_table = cos.data_ptr<float>();
   p.sin_table = sin.data_ptr<float>();
   p.table_rows = cos.size(0);
+  p.table_row_stride = cos.size(0) > 1 ? cos.stride(0) : c.rotary_dim / 2;
   if (c.freq_turns.defined()) {
     const Tensor& f = c.freq_turns;
     TORCH_CHECK(f.scalar_type() == at::kLong && f.is_contiguous() && f.numel() == c.rotary_dim / 2 &&
@@ -341,13 +350,14 @@ inline void fill_angles(RopeParams& p, const Call& c) {
   }
 }
 
-// The table source reads rows of R/2 floats back to back. Tables whose rows are strided (the two
-// halves of one [P, R] cos|sin cache) are copied for the call; reading them in place is a table
-// source with a row stride (angle_sources.cuh).
+// Tables the table source cannot read in place (see rows_in_place) are copied for the call.
 inline void contiguous_tables(Call& c) {
   if (c.angle_kind == ROPE_ANGLES_TOKEN) return;  // per-token rows: read with their own strides
-  if (c.cos.defined() && !c.cos.is_contiguous()) c.cos = c.cos.contiguous();
-  if (c.sin.defined() && !c.sin.is_contiguous()) c.sin = c.sin.contiguous();
+  if (!c.cos.defined() || !c.sin.defined() || c.cos.dim() != 2 || c.sin.sizes() != c.cos.sizes()) return;
+  if (!rows_in_place(c.cos, c.sin)) {
+    c.cos = c.cos.contiguous();
+    c.sin = c.sin.contiguous();
+  }
 }
 
 // ------------------------------------------------------------------------------------------------

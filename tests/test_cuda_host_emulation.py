@@ -256,7 +256,7 @@ class RopeParams(ctypes.Structure):  # mirrors csrc/rope.h
         ("pos_stride_b", ctypes.c_int64), ("pos_stride_s", ctypes.c_int64),
         ("pos_offset", ctypes.c_int64),
         ("cos_table", ctypes.c_void_p), ("sin_table", ctypes.c_void_p),
-        ("table_rows", ctypes.c_int64), ("freq_turns", ctypes.c_void_p),
+        ("table_rows", ctypes.c_int64), ("table_row_stride", ctypes.c_int64), ("freq_turns", ctypes.c_void_p),
         ("attention_factor", ctypes.c_float),
         ("angle_kind", ctypes.c_int),
         ("token_cos", ctypes.c_void_p), ("token_sin", ctypes.c_void_p), ("token_dtype", ctypes.c_int),
@@ -274,7 +274,7 @@ class RopeDevice(ctypes.Structure):
 
 def test_inconsistent_params_are_refused_by_the_c_api(c_api):
     """rope_launch refuses inconsistent RopeParams (odd or too large rotary_dim, a positions
-    tensor announced but absent, an unknown angle source, per-token cos/sin absent or of an unknown
+    tensor announced but absent, an unknown angle source, a negative table row stride, per-token cos/sin absent or of an unknown
     dtype, mRoPE without positions or with sections not summing to rotary_dim/2) without touching
     memory; empty calls are fine."""
     q = torch.zeros(1, 2, 1, 8)
@@ -286,7 +286,8 @@ def test_inconsistent_params_are_refused_by_the_c_api(c_api):
     c_api.rope_launch.restype = ctypes.c_int
     launch = lambda: c_api.rope_launch(ctypes.byref(p), ctypes.byref(dev), None)  # noqa: E731
     assert launch() == 0
-    for field, value in (("R", 7), ("R", 10), ("pos_kind", 2), ("pos_kind", 3), ("angle_kind", 3)):
+    for field, value in (("R", 7), ("R", 10), ("pos_kind", 2), ("pos_kind", 3), ("angle_kind", 3),
+                         ("table_row_stride", -4)):
         old = getattr(p, field)
         setattr(p, field, value)
         assert launch() != 0, field
@@ -337,18 +338,44 @@ def test_misaligned_freq_turns_take_the_generic_kernel(ext):
     assert ext.candidates(args._replace(freq_turns=freq_turns_of(inv)))[0] != "generic"
 
 
-def test_tables_that_are_two_halves_of_one_cache(ext):
-    """cos and sin as the two halves of one [P, R] cos|sin cache (strided rows) give the result
-    of contiguous tables."""
+def _copies_made(fn) -> list[str]:
+    """The copying torch ops fn runs (the emulated extension's tensors live on the CPU, so its
+    .contiguous() shows up as aten ops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.key for e in prof.key_averages() if e.key in ("aten::clone", "aten::copy_", "aten::contiguous")]
+
+
+@pytest.mark.parametrize("rows", [48, 1])
+def test_tables_that_are_two_halves_of_one_cache(ext, rows):
+    """cos and sin as the two halves of one [P, R] cos|sin cache (strided rows) are read in
+    place, with the result of contiguous tables, by every configuration that takes the call;
+    tables without one row stride (or with zero-stride rows) are copied for the call."""
     inv = compute_inv_freq(32, 10000.0)[0]
-    cos, sin = cos_sin_table(inv, 1.0, 48)
+    cos, sin = cos_sin_table(inv, 1.0, rows)
     cache = torch.cat([cos, sin], dim=-1)
     q = torch.randn(2, 5, 4, 40)
-    pos = torch.randint(0, 48, (2, 5))
-    want = ext.run(KernelArgs(q, None, None, None, pos, 0, cos, sin, None, 1.0, "bshd", 32, False, False, False))
-    got = ext.run(KernelArgs(q, None, None, None, pos, 0, cache[:, :16], cache[:, 16:], None, 1.0, "bshd",
-                             32, False, False, False))
+    pos = torch.randint(0, rows, (2, 5))
+    args = KernelArgs(q, None, None, None, pos, 0, cos, sin, None, 1.0, "bshd", 32, False, False, False)
+    want = ext.run(args)
+    halves = args._replace(cos=cache[:, :16], sin=cache[:, 16:])
+    assert _copies_made(lambda: ext.run(halves)) == []
+    for label in ext.candidates(halves):
+        out = args._replace(cos=cache[:, :16], sin=cache[:, 16:], q_out=torch.empty_like(q))
+        ext.run_with(out, label)
+        assert torch.equal(out.q_out, want[0]), label
+    wide = torch.cat([cos, torch.zeros_like(cos), sin], dim=-1)
+    other = args._replace(cos=wide[:, :16], sin=sin.clone())  # row strides 48 and 16: copied
+    got = ext.run(other)
     assert torch.equal(got[0], want[0])
+    if rows > 1:
+        assert _copies_made(lambda: ext.run(other)) != []
+        same_row = args._replace(cos=cos[:1].expand(rows, 16), sin=sin[:1].expand(rows, 16),
+                                 pos=torch.zeros_like(pos))  # zero-stride rows: copied, then read
+        torch.testing.assert_close(ext.run(same_row)[0], ext.run(args._replace(pos=torch.zeros_like(pos)))[0],
+                                   rtol=0, atol=0)
 
 
 def test_kernel_args_fields_are_checked(ext):

@@ -185,17 +185,19 @@ def run_case(rn: Runner, *, dtype, style, layout, D, r, Hq, Hk, B=2, S=37, inpla
              pos_kind="bs", pdtype=torch.int64, beyond=True, huge=False, caller_tables=False,
              kind="contig", strided_out=False, m=1.0, base=10000.0, rows=256, expect_generic=False,
              seed=0, source="table", token_dtype=torch.float32, token_view="dense",
-             mrope_interleaved=False):
+             mrope_interleaved=False, one_cache=False):
     """One call checked with the policy's choice (CudaBackend.run) and, unless the runner says
     otherwise, with every candidate configuration (run_with): each within the reference's bound,
     every table-reading configuration bit for bit equal to the choice, inputs (out of place),
-    pass-through dims, the rest of packed buffers and the bytes around strided outputs untouched."""
+    pass-through dims, the rest of packed buffers and the bytes around strided outputs untouched.
+    ``one_cache``: cos and sin are the two halves of one [rows, r] cos|sin cache (read in place)."""
     name = (f"{str(dtype)[6:]:8s} {style:4s} {layout} D{D} r{r} q{Hq}k{Hk} B{B}S{S} "
             f"{'inplace' if inplace else 'outplace'}{' inv' if inverse else ''} pos={pos_kind}"
             f"{'' if pos_kind == 'offset' else '/' + str(pdtype)[6:]}"
             f"{' beyond' if beyond else ''}{' huge' if huge else ''}"
             f"{' caller-tables' if caller_tables else ''} {kind}"
-            f"{' strided-out' if strided_out else ''}{f' m={m}' if m != 1.0 else ''}")
+            f"{' strided-out' if strided_out else ''}{f' m={m}' if m != 1.0 else ''}"
+            f"{' one-cache' if one_cache else ''}")
     if source == "token":  # no positions
         name = name.split(" pos=")[0] + f" {kind} token-cos-sin/{str(token_dtype)[6:]}/{token_view}"
     elif source == "mrope":
@@ -204,6 +206,9 @@ def run_case(rn: Runner, *, dtype, style, layout, D, r, Hq, Hk, B=2, S=37, inpla
     def go():
         gen = torch.Generator().manual_seed(seed)
         inv, cos, sin, ft = tables(rn, r, base, rows, m)
+        if one_cache:
+            cache = torch.cat([cos, sin], dim=-1)
+            cos, sin = cache[:, : r // 2], cache[:, r // 2:]
         ax = HEAD_AXIS[layout]
         if kind == "packed":  # q, k, v heads of one buffer
             bases = [torch.randn(layout_shape(layout, B, S, Hq + 2 * Hk, D), generator=gen).to(dtype)]
@@ -351,9 +356,10 @@ def accuracy(rn: Runner):
                 # partial rotary, in place, int32 positions shared by the batch ([S]) or [T]
                 run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=64, Hq=3, Hk=1,
                          inplace=True, inverse=False, pos_kind=pk, pdtype=torch.int32)
-                # head_dim 64, MQA, offset positions running past the table, backward
+                # head_dim 64, MQA, offset positions running past the table, backward; the
+                # tables the two halves of one cos|sin cache
                 run_case(rn, dtype=dtype, style=style, layout=layout, D=64, r=64, Hq=5, Hk=1,
-                         inplace=False, inverse=True, pos_kind="offset")
+                         inplace=False, inverse=True, pos_kind="offset", one_cache=True)
                 # packed QKV views, in place, partial rotary 96, backward
                 run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=96, Hq=4, Hk=2,
                          inplace=True, inverse=True, kind="packed")
@@ -504,6 +510,9 @@ def coverage(rn: Runner):
                      seed=47)
             run_case(rn, dtype=dtype, style=style, layout="bshd", D=64, r=64, Hq=2, Hk=1, B=1,
                      S=3, inplace=True, inverse=False, kind="lastdim", expect_generic=True, seed=49)
+            # tables read in place as the two halves of one cos|sin cache (row stride r)
+            run_case(rn, dtype=dtype, style=style, layout="thd", D=128, r=128, Hq=6, Hk=2, B=1,
+                     S=3, inplace=False, inverse=False, pos_kind="bs", one_cache=True, seed=52)
             # the other angle sources: every heads schedule (candidates) and the generic kernel
             for source in ("token", "mrope"):
                 run_case(rn, dtype=dtype, style=style, layout="thd", D=128, r=128, Hq=6, Hk=2,
