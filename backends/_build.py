@@ -243,6 +243,29 @@ def build_extension(name: str, sources: list[Path], *, headers: list[Path] = (),
     return module
 
 
+def tail(text: str, n: int = 1500) -> str:
+    """The last n characters of a (compiler's) message."""
+    text = text.strip()
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+def memoized_reasons(state: dict, lock, compute, failure: str) -> list[str]:
+    """``state["reasons"]``, computed once per process under ``lock`` by ``compute()`` (which
+    builds or loads the extension); never raises: an exception becomes a reason starting with
+    ``failure``."""
+    reasons = state["reasons"]
+    if reasons is None:
+        with lock:
+            reasons = state["reasons"]
+            if reasons is None:
+                try:
+                    reasons = compute()
+                except Exception as e:  # never raise from availability
+                    reasons = [f"{failure}: {type(e).__name__}: {tail(str(e))}"]
+                state["reasons"] = reasons
+    return list(reasons)
+
+
 def loaded_module(state: dict, backend, name: str):
     """The backend's extension module (``state["module"]``), built or loaded by its
     ``availability()`` on first use; RuntimeError with its reasons when it cannot be."""

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from .._build import memoized_reasons, tail
 from rope_ops.backend import Backend, KernelArgs, PrologueArgs, RopeCall, prologue_forward_torch
 
 EXT_NAME = "rope_ops_cpu_ext"
@@ -79,11 +80,6 @@ def compile_flags() -> tuple[list[str], list[str]]:
     return cflags, ldflags
 
 
-def _tail(text: str, n: int = 1500) -> str:
-    text = text.strip()
-    return text if len(text) <= n else "..." + text[-n:]
-
-
 def toolchain_reasons() -> list[str]:
     """Why the extension cannot be compiled here (no compiler, no ninja)."""
     try:
@@ -117,7 +113,7 @@ def build(*, verbose: bool = False) -> list[str]:
                     f"prebuild with `{PREBUILD_COMMAND}`)...")
     except Exception as e:  # no toolchain, compiler errors, cache problems: unavailable
         return toolchain_reasons() or [
-            f"building the CPU extension failed: {type(e).__name__}: {_tail(str(e))}"]
+            f"building the CPU extension failed: {type(e).__name__}: {tail(str(e))}"]
     requested = os.environ.get(ISA_ENV)
     if requested:
         try:
@@ -195,18 +191,7 @@ class CpuBackend(Backend):
     prologue_cache_dtypes = frozenset(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
 
     def availability(self) -> list[str]:
-        reasons = _state["reasons"]
-        if reasons is None:
-            with _lock:
-                reasons = _state["reasons"]
-                if reasons is None:
-                    try:
-                        reasons = build()
-                    except Exception as e:  # never raise from availability
-                        reasons = [f"building the CPU extension failed: {type(e).__name__}: "
-                                   f"{_tail(str(e))}"]
-                    _state["reasons"] = reasons
-        return list(reasons)
+        return memoized_reasons(_state, _lock, build, "building the CPU extension failed")
 
     def supports(self, call: RopeCall) -> list[str]:
         reasons = super().supports(call)

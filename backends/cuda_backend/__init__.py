@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from .._build import memoized_reasons, tail
 from rope_ops.backend import (Backend, KernelArgs, PrologueArgs, RopeCall, prologue_backward_torch,
                               prologue_forward_torch)
 
@@ -74,11 +75,6 @@ def arch_flags(archs: list[str]) -> list[str]:
     return flags
 
 
-def _tail(text: str, n: int = 1500) -> str:
-    text = text.strip()
-    return text if len(text) <= n else "..." + text[-n:]
-
-
 def environment_reasons() -> list[str]:
     """Why no CUDA extension can run in this process, without building anything."""
     if getattr(torch.version, "hip", None):
@@ -89,7 +85,7 @@ def environment_reasons() -> list[str]:
     try:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception as e:  # broken driver and the like
-        return [f"CUDA is not usable: {type(e).__name__}: {_tail(str(e), 300)}"]
+        return [f"CUDA is not usable: {type(e).__name__}: {tail(str(e), 300)}"]
     if count == 0:
         vis = os.environ.get("CUDA_VISIBLE_DEVICES")
         extra = f" (CUDA_VISIBLE_DEVICES={vis!r})" if vis is not None else ""
@@ -159,7 +155,7 @@ def build(archs: list[str] | None = None, *, force: bool = False, verbose: bool 
     except BuildError as e:
         return [f"the CUDA extension: {e}"]
     except Exception as e:  # the compiler's own errors
-        return [f"building the CUDA extension failed: {type(e).__name__}: {_tail(str(e))}"]
+        return [f"building the CUDA extension failed: {type(e).__name__}: {tail(str(e))}"]
     reasons = kernel_args_reasons(module)
     if not reasons:
         _state["module"] = module
@@ -187,18 +183,8 @@ class CudaBackend(Backend):
         """Why this process cannot run the CUDA kernels; builds the extension on first call.
         Never raises; waits for another process's build of the same sources at most
         ROPE_OPS_BUILD_TIMEOUT seconds (the build lock dies with its holder)."""
-        reasons = _state["reasons"]
-        if reasons is None:
-            with _lock:
-                reasons = _state["reasons"]
-                if reasons is None:
-                    try:
-                        reasons = environment_reasons() or build()
-                    except Exception as e:  # never raise from availability
-                        reasons = [f"the CUDA extension could not be loaded: "
-                                   f"{type(e).__name__}: {_tail(str(e))}"]
-                    _state["reasons"] = reasons
-        return list(reasons)
+        return memoized_reasons(_state, _lock, lambda: environment_reasons() or build(),
+                                "the CUDA extension could not be loaded")
 
     def run(self, args: KernelArgs):
         """Rotate args.q / args.k into args.q_out / args.k_out (or in place) and return None; or,
