@@ -78,6 +78,14 @@ def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | Non
             in consecutive chunks.
         out: (q_out, k_out) to write into (out of place, no autograd); any strides.
     """
+    if pos is None and type(cos_sin) is tuple and rope is None and base is None and scaling is None \
+            and max_position is None and seq_len is None and inplace is False and head_dim is None \
+            and mrope_section is None and out is None and not _is_compiling():
+        # Fast path for per-token tables (a patched Hugging Face model's call, once per layer and
+        # step): what the full path derives from the tensors' metadata is cached under it.
+        done = _token_fast_path(q, k, cos_sin, rotary_dim, style, layout, backend)
+        if done is not None:
+            return done
     if cos_sin is None and scaling is None and inplace is False and head_dim is None \
             and mrope_section is None and out is None and not _is_compiling():
         # Fast path for repeated calls (decode steps, training steps): everything _apply derives
@@ -117,6 +125,62 @@ def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | Non
     return _apply(q, k, pos, _kwargs(rotary_dim, style, layout, base, scaling, rope, cos_sin,
                                      inplace, backend, max_position, seq_len, head_dim,
                                      mrope_section, mrope_interleaved, out))
+
+
+class _TokenPlan(NamedTuple):
+    """A per-token call kind's derived constants: how the tables are narrowed to r/2 values
+    (0 as given, 1 the first half, 2 every other value), the [B, S, r/2] they are broadcast to,
+    and the call's Spec and RopeCall (its selected backend)."""
+
+    narrow: int
+    shape: tuple
+    spec: Spec
+    call: RopeCall
+    needs_grad: bool
+
+
+_token_plans: dict = {}
+
+
+def _meta(t) -> tuple | None:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def _token_fast_path(q, k, cos_sin, rotary_dim, style, layout, backend):
+    """apply's result for a repeat of a per-token call kind, or None (the full path runs, and
+    records the kind). Only metadata keys the plan: the tensors are validated by the full path
+    the first time their metadata is seen."""
+    if len(cos_sin) != 2 or type(q) is not torch.Tensor or (k is not None and type(k) is not torch.Tensor):
+        return None
+    cos, sin = cos_sin
+    if type(cos) is not torch.Tensor or type(sin) is not torch.Tensor:
+        return None
+    grad_enabled = torch.is_grad_enabled()
+    request = backend if backend is not None else (_request_var.get() or os.environ.get(_ENV_VAR))
+    try:
+        key = (_meta(q), _meta(k), _meta(cos), _meta(sin), rotary_dim, style, layout, request,
+               grad_enabled, _plans.generation)
+        plan = _token_plans.get(key)
+    except TypeError:  # unhashable arguments: the full path says what is wrong
+        return None
+    if plan is None:
+        kwargs = _kwargs(rotary_dim, style, layout, None, None, None, cos_sin, False, backend, None,
+                         None, None, None, False, None)
+        plan = _apply(q, k, None, kwargs, mode="token_plan")
+        if len(_token_plans) >= _plans.MAX_PLANS:
+            _token_plans.clear()
+        _token_plans[key] = plan
+    half = plan.shape[-1]
+    if plan.narrow == 1:
+        cos, sin = cos[..., :half], sin[..., :half]
+    elif plan.narrow == 2:
+        cos, sin = cos[..., ::2].contiguous(), sin[..., ::2].contiguous()
+    if cos.dim() == 2:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    cos, sin = cos.detach().expand(plan.shape), sin.detach().expand(plan.shape)
+    if plan.needs_grad:
+        return rotate_with_grad(plan.spec, q, k, None, 0, cos, sin, None, 1.0, False, False)
+    return rotate(plan.spec, q, k, None, 0, cos, sin, None, 1.0, False, call=plan.call)
 
 
 def _kwargs(rotary_dim, style, layout, base, scaling, rope, cos_sin, inplace, backend,
@@ -351,6 +415,10 @@ def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
         return plan
     spec = Spec(layout, rotary_dim, interleaved, inplace, request, selected, angles,
                 mrope_section, mrope_interleaved, a.spec, -1 if a.seq_len is None else a.seq_len)
+    if mode == "token_plan":  # _token_fast_path's record of this call kind (then it runs it)
+        given = kw["cos_sin"][0]
+        narrow = 0 if cos.shape[-1] == given.shape[-1] else (2 if style == "gptj" else 1)
+        return _TokenPlan(narrow, tuple(cos.shape), spec, call, needs_grad)
     if needs_grad:
         q_out, k_out = rotate_with_grad(spec, q, k, pos_tensor, pos_offset, cos, sin, freq_turns,
                                         attention_factor, inverse, split)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import rope_ops
-from rope_ops import _plans, _select, registry
+from rope_ops import RopeError, _plans, _select, registry
 from rope_ops._ops import run_backend
 from rope_ops.backend import KernelArgs
 from rope_ops._reference import rope_reference
@@ -154,3 +154,97 @@ def test_autograd_plans_get_no_guard():
             out, _ = rope_ops.apply(q, None, 0, backend="cuda")
             assert out.grad_fn is not None
         assert backend.guards == [] and not _plans.FUNCTIONAL._guards
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-token tables: repeats skip the full path, keyed by the tensors' metadata.
+
+
+def _hf_tables(batch, seq, half, style="neox", dtype=torch.float32, gen=None):
+    """(cos, sin) in Hugging Face's duplicated [B, S, 2 * half] form and their half-width values."""
+    angle = torch.rand(batch, seq, half, generator=gen, dtype=torch.float64) * 6.3
+    c, s = angle.cos(), angle.sin()
+    if style == "neox":
+        full = torch.cat([c, c], -1), torch.cat([s, s], -1)
+    else:
+        full = c.repeat_interleave(2, -1), s.repeat_interleave(2, -1)
+    return tuple(t.to(dtype) for t in full), (c, s)
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_per_token_repeats_skip_the_full_path(monkeypatch, style, backend):
+    """Each repeat of a per-token call kind runs without the full path, reads the new call's own
+    tables and rotates as the reference says; a changed kind (other shapes, strides, dtype,
+    request, grad mode) goes through the full path, which validates it."""
+    if backend not in registry.names() or registry.availability(registry.get(backend)):
+        pytest.skip(f"backend {backend!r} unavailable here")
+    from rope_ops import _api
+
+    full_paths = []
+    original = _api._apply
+    monkeypatch.setattr(_api, "_apply", lambda *a, **kw: full_paths.append(kw.get("mode")) or original(*a, **kw))
+    _api._token_plans.clear()
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 5, 4, 16, generator=gen).transpose(1, 2)  # HF's [B, H, S, D] view
+    k = torch.randn(2, 5, 2, 16, generator=gen).transpose(1, 2)
+    with rope_ops.use_backend(backend):
+        for step in range(4):
+            (cos, sin), (c, s) = _hf_tables(2, 5, 8, style, gen=gen)
+            q_out, k_out = rope_ops.apply(q, k, None, cos_sin=(cos, sin), rotary_dim=16, style=style,
+                                          layout="bhsd")
+            for x, out in ((q, q_out), (k, k_out)):
+                ref = rope_reference(x, None, layout="bhsd", rotary_dim=16, style=style, token_cos_sin=(c, s))
+                torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+        assert full_paths == ["token_plan"]  # the first call only
+        # a changed kind: validated by the full path (a table of the wrong length is refused)
+        (bad_cos, bad_sin), _ = _hf_tables(2, 4, 8, style, gen=gen)
+        with pytest.raises(RopeError, match="per-token"):
+            rope_ops.apply(q, k, None, cos_sin=(bad_cos, bad_sin), rotary_dim=16, style=style, layout="bhsd")
+        rope_ops.apply(q, k, None, cos_sin=tuple(t.to(torch.bfloat16) for t in (cos, sin)), rotary_dim=16,
+                       style=style, layout="bhsd")
+        assert full_paths[1:] == ["token_plan", "token_plan"]
+    # the request is part of the kind: backend="torch" repeats use_backend("torch")'s kind only
+    rope_ops.apply(q, k, None, cos_sin=(cos, sin), rotary_dim=16, style=style, layout="bhsd", backend="torch")
+    assert len(full_paths) == (3 if backend == "torch" else 4)
+
+
+def test_per_token_fast_path_records_gradients_and_refuses_tables_that_need_them():
+    from rope_ops import _api
+
+    _api._token_plans.clear()
+    gen = torch.Generator().manual_seed(6)
+    (cos, sin), (c, s) = _hf_tables(1, 3, 4, gen=gen)
+    for _ in range(3):
+        q = torch.randn(1, 3, 2, 8, generator=gen, requires_grad=True)
+        g = torch.randn(1, 3, 2, 8, generator=gen)
+        q_out, _ = rope_ops.apply(q, None, None, cos_sin=(cos, sin), backend="torch")
+        (grad,) = torch.autograd.grad(q_out, q, g)
+        ref = rope_reference(g, None, layout="bshd", rotary_dim=8, style="neox", token_cos_sin=(c, s),
+                             inverse=True)
+        torch.testing.assert_close(grad.double(), ref, rtol=0, atol=1e-5)
+    needing = cos.clone().requires_grad_(True)
+    for _ in range(2):  # never planned: refused every time
+        with pytest.raises(RopeError, match="requires grad"):
+            rope_ops.apply(q, None, None, cos_sin=(needing, sin), backend="torch")
+
+
+def test_per_token_plans_are_forgotten_with_the_backends():
+    """A registry change (backends overridden) bumps the plans' generation: a repeat of a
+    planned kind takes the full path again and runs the backend now registered under the name."""
+
+    class Counting(TorchBackend):
+        runs = 0
+
+        def run(self, args):
+            Counting.runs += 1
+            return super().run(args)
+
+    q = torch.randn(1, 3, 2, 8)
+    (cos, sin), _ = _hf_tables(1, 3, 4)
+    for _ in range(2):
+        rope_ops.apply(q, None, None, cos_sin=(cos, sin), backend="torch")
+    with registry.override({"torch": Counting()}):
+        for _ in range(2):
+            rope_ops.apply(q, None, None, cos_sin=(cos, sin), backend="torch")
+    assert Counting.runs == 2
