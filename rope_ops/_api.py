@@ -139,9 +139,6 @@ class _TokenPlan(NamedTuple):
     needs_grad: bool
 
 
-_token_plans: dict = {}
-
-
 def _meta(t) -> tuple | None:
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
 
@@ -160,16 +157,16 @@ def _token_fast_path(q, k, cos_sin, rotary_dim, style, layout, backend):
     try:
         key = (_meta(q), _meta(k), _meta(cos), _meta(sin), rotary_dim, style, layout, request,
                grad_enabled, _plans.generation)
-        plan = _token_plans.get(key)
+        plan = _plans.TOKEN_PLANS.get(key)
     except TypeError:  # unhashable arguments: the full path says what is wrong
         return None
     if plan is None:
         kwargs = _kwargs(rotary_dim, style, layout, None, None, None, cos_sin, False, backend, None,
                          None, None, None, False, None)
         plan = _apply(q, k, None, kwargs, mode="token_plan")
-        if len(_token_plans) >= _plans.MAX_PLANS:
-            _token_plans.clear()
-        _token_plans[key] = plan
+        if len(_plans.TOKEN_PLANS) >= _plans.MAX_PLANS:
+            _plans.TOKEN_PLANS.clear()
+        _plans.TOKEN_PLANS[key] = plan
     half = plan.shape[-1]
     if plan.narrow == 1:
         cos, sin = cos[..., :half], sin[..., :half]

@@ -6,6 +6,10 @@ full path read to make it. A guard is a backend's metadata-checking form of a pl
 the CUDA backend's C++ GuardedRope), kept per set of keyword arguments for the last inference
 call made with them, so that a decode loop's repeats skip even building the key.
 
+Plans of calls with per-token tables (``pos=None``) hold no tensors, only what the full path
+derived from the tensors' metadata (how the tables are narrowed and broadcast, the selected
+backend): ``TOKEN_PLANS``, keyed by that metadata, the request, grad mode and the generation.
+
 Plans of calls with a ``RotaryEmbedding`` live in that module (``rope._plans``): they die with
 it and are dropped when it moves. Plans of functional calls (``base=``, no module) live here and
 hold tables of the byte-bounded table cache; whenever that cache drops a table, they are all
@@ -32,6 +36,7 @@ class Holder:
 
 
 FUNCTIONAL = Holder()
+TOKEN_PLANS: dict = {}
 
 
 def remember_plan(holder, key, entry) -> None:
@@ -59,6 +64,7 @@ def clear() -> None:
     global generation
     generation += 1
     forget_functional()
+    TOKEN_PLANS.clear()
 
 
 CACHE.on_evict.append(forget_functional)

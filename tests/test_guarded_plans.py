@@ -184,7 +184,7 @@ def test_per_token_repeats_skip_the_full_path(monkeypatch, style, backend):
     full_paths = []
     original = _api._apply
     monkeypatch.setattr(_api, "_apply", lambda *a, **kw: full_paths.append(kw.get("mode")) or original(*a, **kw))
-    _api._token_plans.clear()
+    _plans.TOKEN_PLANS.clear()
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, 5, 4, 16, generator=gen).transpose(1, 2)  # HF's [B, H, S, D] view
     k = torch.randn(2, 5, 2, 16, generator=gen).transpose(1, 2)
@@ -210,9 +210,7 @@ def test_per_token_repeats_skip_the_full_path(monkeypatch, style, backend):
 
 
 def test_per_token_fast_path_records_gradients_and_refuses_tables_that_need_them():
-    from rope_ops import _api
-
-    _api._token_plans.clear()
+    _plans.TOKEN_PLANS.clear()
     gen = torch.Generator().manual_seed(6)
     (cos, sin), (c, s) = _hf_tables(1, 3, 4, gen=gen)
     for _ in range(3):
