@@ -147,6 +147,17 @@ struct PrologueUnits {
   // Elements unit u holds.
   static ROPE_HD int count(const PrologueShape& sh, int u) { return u < sh.n_rot ? W : E; }
 
+  // load(), and sum plus the sum of squares of the unit's elements.
+  static ROPE_HD float load_sum_sq(const T* row, const PrologueShape& sh, int64_t R, int u, float* x,
+                                   float sum) {
+    load(row, sh, R, u, x);
+    const int n = count(sh, u);
+#pragma unroll
+    for (int j = 0; j < W; ++j)
+      if (j < n) sum = fmaf(x[j], x[j], sum);
+    return sum;
+  }
+
   // The rotation of a rotary unit by (c, s) (s already negated for the backward).
   static ROPE_HD void rotate(float* x, const float* c, const float* s) {
 #pragma unroll
@@ -242,11 +253,7 @@ struct PrologueLane {
     for (int k = 0; k < U; ++k) {
       const int u = unit(sh, k);
       if (u >= sh.n_units) continue;
-      Units::load(src, sh, p.rope.R, u, x[k]);
-      const int n = Units::count(sh, u);
-#pragma unroll
-      for (int j = 0; j < W; ++j)
-        if (j < n) part = fmaf(x[k][j], x[k][j], part);
+      part = Units::load_sum_sq(src, sh, p.rope.R, u, x[k], part);
     }
     return part;
   }
@@ -382,13 +389,7 @@ struct PrologueGradLane {
         for (int j = 0; j < W; ++j) g[k][j] = 0.f;
       }
       if (kind < 2 && u < sh.n_rot) Units::rotate(g[k], c[k], sn[k]);
-      if (normed) {
-        Units::load(xsrc, sh, R, u, n[k]);
-        const int cnt = Units::count(sh, u);
-#pragma unroll
-        for (int j = 0; j < W; ++j)
-          if (j < cnt) sum = fmaf(n[k][j], n[k][j], sum);
-      }
+      if (normed) sum = Units::load_sum_sq(xsrc, sh, R, u, n[k], sum);
     }
     return sum;
   }

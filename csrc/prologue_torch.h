@@ -142,9 +142,7 @@ RopePrologueParams prologue_common(PrologueCall& c, bool backward) {
     rc.rotary_dim = c.rotary_dim;
     rc.interleaved = c.interleaved;
     rc.inverse = backward;
-    contiguous_tables(rc);
-    if (rc.pos.defined() && !Platform::on_device(rc.pos)) rc.pos = rc.pos.to(qkv.device(), /*non_blocking=*/true);
-    fill_angles(r, rc);
+    prepare_angles<Platform>(r, rc);
     c.cos = rc.cos;
     c.sin = rc.sin;
     c.pos = rc.pos;

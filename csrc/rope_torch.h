@@ -401,16 +401,22 @@ std::pair<Tensor, Tensor> empty_outputs(const Tensor& q, const Tensor& k) {
 // ------------------------------------------------------------------------------------------------
 // Runs
 
-// RopeParams of a call whose outputs are set (q_out, k_out, or q and k in place). Tables are made
-// contiguous and positions moved to q's device in c, which holds them until the launch is
-// queued (the allocator reuses memory in stream order).
+// The angle fields of p from c. Tables the kernels cannot read in place are copied and
+// positions moved to q's device in c, which holds them until the launch is queued (the allocator
+// reuses memory in stream order).
 template <class Platform>
-RopeParams params_of(Call& c) {
+void prepare_angles(RopeParams& p, Call& c) {
   contiguous_tables(c);
   if (c.pos.defined() && !Platform::on_device(c.pos)) c.pos = c.pos.to(c.q.device(), /*non_blocking=*/true);
+  fill_angles(p, c);
+}
+
+// RopeParams of a call whose outputs are set (q_out, k_out, or q and k in place).
+template <class Platform>
+RopeParams params_of(Call& c) {
   RopeParams p{};
   fill_tensors(p, c.q, c.k, c.q_out, c.k_out, c.layout);
-  fill_angles(p, c);
+  prepare_angles<Platform>(p, c);
   return p;
 }
 
