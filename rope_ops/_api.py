@@ -128,12 +128,12 @@ def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | Non
 
 
 class _TokenPlan(NamedTuple):
-    """A per-token call kind's derived constants: how the tables are narrowed to r/2 values
-    (0 as given, 1 the first half, 2 every other value), the [B, S, r/2] they are broadcast to,
-    and the call's Spec and RopeCall (its selected backend)."""
+    """What the full path derived for a per-token call kind from its tensors' metadata: q's
+    head_dim and leading (batch, seq) dims, and the call's Spec (layout, style, selected backend)
+    and RopeCall."""
 
-    narrow: int
-    shape: tuple
+    head_dim: int
+    leading: tuple
     spec: Spec
     call: RopeCall
     needs_grad: bool
@@ -167,14 +167,10 @@ def _token_fast_path(q, k, cos_sin, rotary_dim, style, layout, backend):
         if len(_plans.TOKEN_PLANS) >= _plans.MAX_PLANS:
             _plans.TOKEN_PLANS.clear()
         _plans.TOKEN_PLANS[key] = plan
-    half = plan.shape[-1]
-    if plan.narrow == 1:
-        cos, sin = cos[..., :half], sin[..., :half]
-    elif plan.narrow == 2:
-        cos, sin = cos[..., ::2].contiguous(), sin[..., ::2].contiguous()
-    if cos.dim() == 2:
-        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
-    cos, sin = cos.detach().expand(plan.shape), sin.detach().expand(plan.shape)
+    # the tables of this call, as the full path takes them (resolve_angles)
+    style = "gptj" if plan.spec.interleaved else "neox"
+    cos_sin, _ = _caller_tables(cos_sin, rotary_dim, plan.head_dim, style, True)
+    cos, sin = _token_tables(*_check_tables(cos_sin, q.device), plan.spec.layout, plan.leading)
     if plan.needs_grad:
         return rotate_with_grad(plan.spec, q, k, None, 0, cos, sin, None, 1.0, False, False)
     return rotate(plan.spec, q, k, None, 0, cos, sin, None, 1.0, False, call=plan.call)
@@ -413,9 +409,7 @@ def _apply(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):
     spec = Spec(layout, rotary_dim, interleaved, inplace, request, selected, angles,
                 mrope_section, mrope_interleaved, a.spec, -1 if a.seq_len is None else a.seq_len)
     if mode == "token_plan":  # _token_fast_path's record of this call kind (then it runs it)
-        given = kw["cos_sin"][0]
-        narrow = 0 if cos.shape[-1] == given.shape[-1] else (2 if style == "gptj" else 1)
-        return _TokenPlan(narrow, tuple(cos.shape), spec, call, needs_grad)
+        return _TokenPlan(head_dim, leading, spec, call, needs_grad)
     if needs_grad:
         q_out, k_out = rotate_with_grad(spec, q, k, pos_tensor, pos_offset, cos, sin, freq_turns,
                                         attention_factor, inverse, split)

@@ -197,6 +197,17 @@ def test_per_token_repeats_skip_the_full_path(monkeypatch, style, backend):
                 ref = rope_reference(x, None, layout="bhsd", rotary_dim=16, style=style, token_cos_sin=(c, s))
                 torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
         assert full_paths == ["token_plan"]  # the first call only
+        # half-width tables with stride 2 along frequencies: each repeat copies them as the full
+        # path does (the kernels read frequencies contiguously)
+        for step in range(3):
+            _, (c, s) = _hf_tables(2, 5, 8, style, gen=gen)
+            wide = [torch.stack([t, torch.full_like(t, float("nan"))], -1).flatten(-2).float() for t in (c, s)]
+            q_out, _ = rope_ops.apply(q, k, None, cos_sin=(wide[0][..., ::2], wide[1][..., ::2]), rotary_dim=16,
+                                      style=style, layout="bhsd")
+            ref = rope_reference(q, None, layout="bhsd", rotary_dim=16, style=style, token_cos_sin=(c, s))
+            torch.testing.assert_close(q_out.double(), ref, rtol=0, atol=1e-5)
+        assert full_paths == ["token_plan"] * 2
+        full_paths.pop()
         # a changed kind: validated by the full path (a table of the wrong length is refused)
         (bad_cos, bad_sin), _ = _hf_tables(2, 4, 8, style, gen=gen)
         with pytest.raises(RopeError, match="per-token"):
