@@ -380,6 +380,11 @@ def accuracy(rn: Runner):
                 r8 = eight_byte_rotary(dtype, style)
                 run_case(rn, dtype=dtype, style=style, layout=layout, D=96, r=r8, Hq=4, Hk=2,
                          inplace=layout in ("sbhd", "thd"), inverse=False, pos_kind=pk)
+                # and an odd number of 8-byte pass-through vectors, head rows at 8-byte but not
+                # 16-byte boundaries (NeoX copies pairs of vectors, 16-byte accesses where aligned)
+                run_case(rn, dtype=dtype, style=style, layout=layout,
+                         D=96 + 8 // torch.empty((), dtype=dtype).element_size(), r=r8, Hq=3, Hk=2,
+                         inplace=False, inverse=True, pos_kind=pk)
                 # positions up to +-2^40 (rows from the fixed-point frequencies), [B, S] and offset
                 run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=128, Hq=2, Hk=2,
                          inplace=False, inverse=False, pos_kind="bs", huge=True, m=0.75)
@@ -441,6 +446,11 @@ def angle_source_accuracy(rn: Runner):
                 # mRoPE chunked: int64 [3, B, S] positions past the table, GQA, out of place
                 run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=128, Hq=4, Hk=2,
                          inplace=False, inverse=False, pos_kind="bs", source="mrope", m=0.75)
+                # mRoPE chunked, sections (12, 18, 18): chunks of frequencies inside one section
+                # read table vectors, chunks across a boundary one value at a time; the tables
+                # the two halves of one cos|sin cache
+                run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=96, Hq=3, Hk=2,
+                         inplace=False, inverse=True, pos_kind="bs", source="mrope", one_cache=True)
                 # mRoPE interleaved: int32 [3, S] / [3, T], partial rotary, in place, backward
                 run_case(rn, dtype=dtype, style=style, layout=layout, D=128, r=64, Hq=5, Hk=1,
                          inplace=True, inverse=True, pos_kind=pk, pdtype=torch.int32,
