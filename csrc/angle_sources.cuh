@@ -180,8 +180,53 @@ ROPE_HD float load_table_value(const void* table, const int dtype, const int64_t
   return __half2float(bit_cast_hd<__half>((unsigned short)bits));
 }
 
+// Two 16-bit table values packed in a 32-bit word, as float32 (exact).
+ROPE_HD void widen_pair(const uint32_t w, const int dtype, float* out) {
+  if (dtype == ROPE_BF16) {
+    out[0] = bit_cast_hd<float>(w << 16);
+    out[1] = bit_cast_hd<float>(w & 0xffff0000u);
+  } else {
+    out[0] = __half2float(bit_cast_hd<__half>((unsigned short)(w & 0xffffu)));
+    out[1] = __half2float(bit_cast_hd<__half>((unsigned short)(w >> 16)));
+  }
+}
+
+// Values [i, i + NC) of a caller table as float32: 16-byte loads where the caller's row and
+// dtype allow them (HF's per-token rows usually do), else one value at a time.
+template <int NC>
+ROPE_HD void load_table_values(const void* table, const int dtype, const int64_t i, float* out) {
+  const int eb = dtype == ROPE_F32 ? 4 : 2;
+  const bool vectors = (NC * eb) % 16 == 0 &&
+                       ((reinterpret_cast<uintptr_t>(table) + (uintptr_t)(i * eb)) & 15) == 0;
+  if (vectors) {
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(table) + i * eb);
+    if (dtype == ROPE_F32) {
+#pragma unroll
+      for (int j = 0; j < NC / 4; ++j) {
+        const uint4 w = ldg_ro(src + j);
+        out[4 * j] = bit_cast_hd<float>(w.x);
+        out[4 * j + 1] = bit_cast_hd<float>(w.y);
+        out[4 * j + 2] = bit_cast_hd<float>(w.z);
+        out[4 * j + 3] = bit_cast_hd<float>(w.w);
+      }
+    } else if constexpr (NC % 8 == 0) {
+#pragma unroll
+      for (int j = 0; j < NC / 8; ++j) {
+        const uint4 w = ldg_ro(src + j);
+        widen_pair(w.x, dtype, out + 8 * j);
+        widen_pair(w.y, dtype, out + 8 * j + 2);
+        widen_pair(w.z, dtype, out + 8 * j + 4);
+        widen_pair(w.w, dtype, out + 8 * j + 6);
+      }
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < NC; ++j) out[j] = load_table_value(table, dtype, i + j);
+}
+
 // The caller's cos/sin per token: token (b, s) reads row (b, s) of token_cos / token_sin, NC
-// values at a time one element each (their strides and alignment are the caller's).
+// values at a time (their strides and alignment are the caller's: load_table_values).
 struct TokenAngles {
   static constexpr bool kEveryFamily = false;
   static constexpr const char* kName = "token";
@@ -206,11 +251,11 @@ struct TokenAngles {
   template <int NC>
   static ROPE_HD void cos_sin(const RopeParams& p, const Token t, const long long i0, float* c,
                               float* s, const bool = false) {
+    load_table_values<NC>(p.token_cos, p.token_dtype, t.cos_row + i0, c);
+    load_table_values<NC>(p.token_sin, p.token_dtype, t.sin_row + i0, s);
+    if (p.inverse) {
 #pragma unroll
-    for (int j = 0; j < NC; ++j) {
-      c[j] = load_table_value(p.token_cos, p.token_dtype, t.cos_row + i0 + j);
-      s[j] = load_table_value(p.token_sin, p.token_dtype, t.sin_row + i0 + j);
-      if (p.inverse) s[j] = -s[j];
+      for (int j = 0; j < NC; ++j) s[j] = -s[j];
     }
   }
 };
@@ -250,9 +295,28 @@ struct MropeAngles {
     return i < (long long)p.mrope_section[0] + p.mrope_section[1] ? 1 : 2;
   }
 
+  // Whether NC values of a table row (and of freq_turns) starting at a multiple of NC can be
+  // read as the vectors load_cos_sin<NC> uses.
+  template <int NC>
+  static ROPE_HD bool row_vectors_fit(const RopeParams& p) {
+    const uintptr_t a = NC % 4 == 0 ? 16 : NC % 2 == 0 ? 8 : 4;
+    const uintptr_t tables = reinterpret_cast<uintptr_t>(p.cos_table) | reinterpret_cast<uintptr_t>(p.sin_table) |
+                             (uintptr_t)(table_row_stride(p) * 4);
+    return (tables & (a - 1)) == 0 && (reinterpret_cast<uintptr_t>(p.freq_turns) & 15) == 0;
+  }
+
   template <int NC>
   static ROPE_HD void cos_sin(const RopeParams& p, const Token t, const long long i0, float* c,
                               float* s, const bool on_the_fly = false) {
+    // Chunked sections: a chunk of frequencies inside one section (every chunk, for sections
+    // that are multiples of NC, as Qwen2-VL's 16/24/24) reads its row as vectors.
+    if (NC > 1 && !p.mrope_interleaved && i0 % NC == 0) {
+      const int axis = axis_of(p, i0);
+      if (axis == axis_of(p, i0 + NC - 1) && row_vectors_fit<NC>(p)) {
+        load_cos_sin<NC>(p, axis == 0 ? t.t : axis == 1 ? t.h : t.w, i0, c, s, on_the_fly);
+        return;
+      }
+    }
 #pragma unroll
     for (int j = 0; j < NC; ++j) {
       const int axis = axis_of(p, i0 + j);
