@@ -17,11 +17,9 @@ value / scale).
 
 The backward (``prologue_backward_kernel``) recomputes each head's statistics from the saved
 input, rotates the output gradients back (the transpose: minus the angle), and writes the input
-gradient of every head (v's is grad_v) into one new grad_qkv. It walks each token block's chunks
-as the forward does: chunk c + 1's loads (g, and x where the norm needs it) go out before chunk c
-is finished. The norm weights' gradients are summed per program over its tokens and heads
-(several token blocks each) into rows of a float32 [programs, HEAD_DIM] buffer, which the host
-sums: deterministic, no atomics.
+gradient of every head (v's is grad_v) into one new grad_qkv. The norm weights' gradients are
+summed per program over its tokens and heads (several token blocks each) into rows of a float32
+[programs, HEAD_DIM] buffer, which the host sums: deterministic, no atomics.
 """
 
 from __future__ import annotations
@@ -449,81 +447,23 @@ def _column_sum(x):
 
 
 @triton.jit
-def _load_grad(g_ptr, row_g, tmask, h0, n_heads, sg_h, sg_d, HAS_G: tl.constexpr,
-               G_CONTIG: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr,
-               ROT_A: tl.constexpr, ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr,
-               HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
-               PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """An output gradient's heads [h0, h0 + BH) as _load_chunk's pieces, in their dtype (zeros
-    when the gradient is None)."""
-    if HAS_G:
-        ga, gb, gc, gd, ge, gf, gg = _load_chunk(g_ptr, row_g, tmask, h0, n_heads, sg_h, sg_d,
-                                                 BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM,
-                                                 HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED,
-                                                 G_CONTIG)
-    else:
-        ga, gb, gc, gd, ge, gf, gg = _zero_head(BT, BH, ROT_A, ROT_B, PASS_A, PASS_B, PASS_C)
-    return ga, gb, gc, gd, ge, gf, gg
-
-
-@triton.jit
-def _load_backward(ci: tl.constexpr, NQC: tl.constexpr, NKC: tl.constexpr, x_ptr, row_x,
-                   tmask, gq_ptr, row_gq, sgq_h, sgq_d, gk_ptr, row_gk, sgk_h, sgk_d, gv_ptr,
-                   row_gv, sgv_h, sgv_d, HQ: tl.constexpr, HK: tl.constexpr,
-                   Q_NORM: tl.constexpr, K_NORM: tl.constexpr, HAS_GQ: tl.constexpr,
-                   HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, G_CONTIG: tl.constexpr,
-                   BT: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                   HALF: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr,
-                   ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr,
-                   PASS_B: tl.constexpr, PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Chunk ci of the backward (q chunks, then k, then v), in the storage dtype: the output
-    gradient's pieces, then the saved input's where the norm needs them (else g's again)."""
-    if ci < NQC:
-        ga, gb, gc, gd, ge, gf, gg = _load_grad(
-            gq_ptr, row_gq, tmask, ci * BLOCK_HQ, HQ, sgq_h, sgq_d, HAS_GQ, G_CONTIG, BT,
-            BLOCK_HQ, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
-            INTERLEAVED)
-        xa, ya, xb, yb, pa, pb, pc = ga, gb, gc, gd, ge, gf, gg
-        if Q_NORM and HAS_GQ:
-            xa, ya, xb, yb, pa, pb, pc = _load_chunk(
-                x_ptr, row_x, tmask, ci * BLOCK_HQ, HQ, HEAD_DIM, 1, BT, BLOCK_HQ, HALF, ROT_A,
-                ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED, True)
-    elif ci < NQC + NKC:
-        ga, gb, gc, gd, ge, gf, gg = _load_grad(
-            gk_ptr, row_gk, tmask, (ci - NQC) * BLOCK_HK, HK, sgk_h, sgk_d, HAS_GK, G_CONTIG,
-            BT, BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
-            INTERLEAVED)
-        xa, ya, xb, yb, pa, pb, pc = ga, gb, gc, gd, ge, gf, gg
-        if K_NORM and HAS_GK:
-            xa, ya, xb, yb, pa, pb, pc = _load_chunk(
-                x_ptr + HQ * HEAD_DIM, row_x, tmask, (ci - NQC) * BLOCK_HK, HK, HEAD_DIM, 1, BT,
-                BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
-                INTERLEAVED, True)
-    else:
-        ga, gb, gc, gd, ge, gf, gg = _load_grad(
-            gv_ptr, row_gv, tmask, (ci - NQC - NKC) * BLOCK_HK, HK, sgv_h, sgv_d, HAS_GV,
-            G_CONTIG, BT, BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
-            PASS_C, INTERLEAVED)
-        xa, ya, xb, yb, pa, pb, pc = ga, gb, gc, gd, ge, gf, gg
-    return ga, gb, gc, gd, ge, gf, gg, xa, ya, xb, yb, pa, pb, pc
-
-
-@triton.jit
-def _backward_qk(gxa, gya, gxb, gyb, gpa, gpb, gpc, xa, ya, xb, yb, pa, pb, pc, dx_ptr, row_dx,
-                 tmask, h0, n_heads, ca, sa, cb, sb, w_ptr, s_w, w_offset, eps,
+def _backward_qk(x_ptr, row_x, g_ptr, row_g, sg_h, sg_d, dx_ptr, row_dx, tmask, h0, n_heads,
+                 ca, sa, cb, sb, w_ptr, s_w, w_offset, eps,
                  axa, aya, axb, ayb, apa, apb, apc, NORM: tl.constexpr, HAS_G: tl.constexpr,
-                 ROTATE: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr,
-                 ROT_A: tl.constexpr, ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
-                 PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Input gradient of a chunk of q or k heads from _load_backward's g and x pieces, stored
-    into grad_qkv; returns the weight gradient accumulators (a*) plus this chunk's sums of
-    g * normalised x."""
+                 ROTATE: tl.constexpr, G_CONTIG: tl.constexpr, BT: tl.constexpr,
+                 BH: tl.constexpr, HALF: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr,
+                 ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr,
+                 PASS_B: tl.constexpr, PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Input gradient of a chunk of q or k heads, stored into grad_qkv; returns the weight
+    gradient accumulators (a*) plus this chunk's sums of g * normalised x."""
     if NORM:  # loaded per chunk (L1 hits), as in the forward
         wxa, wya, wxb, wyb, wpa, wpb, wpc = _weights(w_ptr, s_w, w_offset, HALF, ROT_A, ROT_B,
                                                      ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
                                                      PASS_C, INTERLEAVED)
     if HAS_G:
+        gxa, gya, gxb, gyb, gpa, gpb, gpc = _load_chunk(
+            g_ptr, row_g, tmask, h0, n_heads, sg_h, sg_d, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM,
+            HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED, G_CONTIG)
         gxa, gya, gxb, gyb = _f32(gxa), _f32(gya), _f32(gxb), _f32(gyb)
         gpa, gpb, gpc = _f32(gpa), _f32(gpb), _f32(gpc)
         if ROTATE:  # the rotation's transpose: ca, sa, cb, sb are the inverse angles
@@ -531,6 +471,9 @@ def _backward_qk(gxa, gya, gxb, gyb, gpa, gpb, gpc, xa, ya, xb, yb, pa, pb, pc, 
             if ROT_B > 0:
                 gxb, gyb = _rotate_pairs(gxb, gyb, cb, sb)
         if NORM:
+            xa, ya, xb, yb, pa, pb, pc = _load_chunk(
+                x_ptr, row_x, tmask, h0, n_heads, HEAD_DIM, 1, BT, BH, HALF, ROT_A, ROT_B,
+                ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED, True)
             xa, ya, xb, yb = _f32(xa), _f32(ya), _f32(xb), _f32(yb)
             pa, pb, pc = _f32(pa), _f32(pb), _f32(pc)
             rstd = _rstd(xa, ya, xb, yb, pa, pb, pc, eps, HEAD_DIM, ROT_A, ROT_B, PASS_A,
@@ -565,6 +508,9 @@ def _backward_qk(gxa, gya, gxb, gyb, gpa, gpb, gpc, xa, ya, xb, yb, pa, pb, pc, 
             gxa, gya = r3 * (gxa - xa * mean), r3 * (gya - ya * mean)
             gxb, gyb = r3 * (gxb - xb * mean), r3 * (gyb - yb * mean)
             gpa, gpb, gpc = r3 * (gpa - pa * mean), r3 * (gpb - pb * mean), r3 * (gpc - pc * mean)
+    else:
+        gxa, gya, gxb, gyb, gpa, gpb, gpc = _zero_head(BT, BH, ROT_A, ROT_B, PASS_A, PASS_B,
+                                                       PASS_C)
     _store_chunk(gxa, gya, gxb, gyb, gpa, gpb, gpc, dx_ptr, row_dx, tmask, h0, n_heads, HEAD_DIM,
                  1, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
                  INTERLEAVED, True)
@@ -595,6 +541,25 @@ def _store_weight_grads(ptr, axa, aya, axb, ayb, apa, apb, apc, HALF: tl.constex
     if PASS_C > 0:
         d = ROTARY_DIM + PASS_A + PASS_B + tl.arange(0, PASS_C)
         tl.store(ptr + d, tl.sum(apc, axis=0), mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _copy_v(g_ptr, row_g, sg_h, sg_d, dx_ptr, row_dx, tmask, h0, n_heads, HAS_G: tl.constexpr,
+            G_CONTIG: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr,
+            ROT_A: tl.constexpr, ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr,
+            HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
+            PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """grad_qkv's v heads: grad_v as given (zeros when None)."""
+    if HAS_G:
+        ga, gb, gc, gd, ge, gf, gg = _load_chunk(g_ptr, row_g, tmask, h0, n_heads, sg_h, sg_d,
+                                                 BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM,
+                                                 HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED,
+                                                 G_CONTIG)
+    else:
+        ga, gb, gc, gd, ge, gf, gg = _zero_head(BT, BH, ROT_A, ROT_B, PASS_A, PASS_B, PASS_C)
+    _store_chunk(ga, gb, gc, gd, ge, gf, gg, dx_ptr, row_dx, tmask, h0, n_heads, HEAD_DIM, 1, BT,
+                 BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                 INTERLEAVED, True)
 
 
 @triton.jit(do_not_specialize=["n_tokens", "seq_len", "pos_offset", "n_rows"])
@@ -636,16 +601,6 @@ def prologue_backward_kernel(
                                TOK_SPLIT)
         row_x = b * sx_b + sq * sx_s
         row_dx = b * sdx_b + sq * sdx_s
-        row_gq = b * sgq_b + sq * sgq_s
-        row_gk = b * sgk_b + sq * sgk_s
-        row_gv = b * sgv_b + sq * sgv_s
-        # As the forward's token walk: chunk 0 loaded before the angles, chunk ci + 1 before
-        # chunk ci is finished, so that loads are in flight while a chunk is reduced and stored.
-        gxa, gya, gxb, gyb, gpa, gpb, gpc, xa, ya, xb, yb, pa, pb, pc = _load_backward(
-            0, NQC, NKC, x_ptr, row_x, tmask, gq_ptr, row_gq, sgq_h, sgq_d, gk_ptr, row_gk,
-            sgk_h, sgk_d, gv_ptr, row_gv, sgv_h, sgv_d, HQ, HK, Q_NORM, K_NORM, HAS_GQ, HAS_GK,
-            HAS_GV, G_CONTIG, BLOCK_T, BLOCK_HQ, BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM,
-            HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
         ca, sa, cb, sb = eps, eps, eps, eps
         if ROTATE:
             ca, sa, cb, sb = _angles(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_a,
@@ -653,35 +608,26 @@ def prologue_backward_kernel(
                                      attn_factor, ANGLES, HALF, ROT_A, ROT_B, HAS_POS, HAS_TURNS,
                                      MROPE_S1, MROPE_S2, MROPE_INTERLEAVED, LIBDEVICE, True)
         for ci in tl.static_range(NC):
-            if ci + 1 < NC:
-                (ngxa, ngya, ngxb, ngyb, ngpa, ngpb, ngpc, nxa, nya, nxb, nyb, npa, npb,
-                 npc) = _load_backward(
-                    ci + 1, NQC, NKC, x_ptr, row_x, tmask, gq_ptr, row_gq, sgq_h, sgq_d, gk_ptr,
-                    row_gk, sgk_h, sgk_d, gv_ptr, row_gv, sgv_h, sgv_d, HQ, HK, Q_NORM, K_NORM,
-                    HAS_GQ, HAS_GK, HAS_GV, G_CONTIG, BLOCK_T, BLOCK_HQ, BLOCK_HK, HALF, ROT_A,
-                    ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
             if ci < NQC:
                 qa = _backward_qk(
-                    gxa, gya, gxb, gyb, gpa, gpb, gpc, xa, ya, xb, yb, pa, pb, pc, dx_ptr,
-                    row_dx, tmask, ci * BLOCK_HQ, HQ, ca, sa, cb, sb, qw_ptr, s_qw, w_offset,
-                    eps, qa[0], qa[1], qa[2], qa[3], qa[4], qa[5], qa[6], Q_NORM, HAS_GQ,
-                    ROTATE, BLOCK_T, BLOCK_HQ, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A,
-                    PASS_B, PASS_C, INTERLEAVED)
+                    x_ptr, row_x, gq_ptr, b * sgq_b + sq * sgq_s, sgq_h, sgq_d, dx_ptr, row_dx,
+                    tmask, ci * BLOCK_HQ, HQ, ca, sa, cb, sb, qw_ptr, s_qw, w_offset, eps, qa[0],
+                    qa[1], qa[2], qa[3], qa[4], qa[5], qa[6], Q_NORM, HAS_GQ, ROTATE, G_CONTIG,
+                    BLOCK_T, BLOCK_HQ, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
+                    PASS_C, INTERLEAVED)
             elif ci < NQC + NKC:
                 ka = _backward_qk(
-                    gxa, gya, gxb, gyb, gpa, gpb, gpc, xa, ya, xb, yb, pa, pb, pc,
+                    x_ptr + HQ * HEAD_DIM, row_x, gk_ptr, b * sgk_b + sq * sgk_s, sgk_h, sgk_d,
                     dx_ptr + HQ * HEAD_DIM, row_dx, tmask, (ci - NQC) * BLOCK_HK, HK, ca, sa, cb,
                     sb, kw_ptr, s_kw, w_offset, eps, ka[0], ka[1], ka[2], ka[3], ka[4], ka[5],
-                    ka[6], K_NORM, HAS_GK, ROTATE, BLOCK_T, BLOCK_HK, HALF, ROT_A, ROT_B,
-                    ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
-            else:  # grad_v as given (zeros when None)
-                _store_chunk(gxa, gya, gxb, gyb, gpa, gpb, gpc, dx_ptr + (HQ + HK) * HEAD_DIM,
-                             row_dx, tmask, (ci - NQC - NKC) * BLOCK_HK, HK, HEAD_DIM, 1,
-                             BLOCK_T, BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A,
-                             PASS_B, PASS_C, INTERLEAVED, True)
-            if ci + 1 < NC:
-                gxa, gya, gxb, gyb, gpa, gpb, gpc = ngxa, ngya, ngxb, ngyb, ngpa, ngpb, ngpc
-                xa, ya, xb, yb, pa, pb, pc = nxa, nya, nxb, nyb, npa, npb, npc
+                    ka[6], K_NORM, HAS_GK, ROTATE, G_CONTIG, BLOCK_T, BLOCK_HK, HALF, ROT_A,
+                    ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
+            else:
+                _copy_v(gv_ptr, b * sgv_b + sq * sgv_s, sgv_h, sgv_d,
+                        dx_ptr + (HQ + HK) * HEAD_DIM, row_dx, tmask,
+                        (ci - NQC - NKC) * BLOCK_HK, HK, HAS_GV, G_CONTIG, BLOCK_T, BLOCK_HK,
+                        HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                        INTERLEAVED)
     if Q_NORM:
         _store_weight_grads(dqw_ptr + pid * HEAD_DIM, qa[0], qa[1], qa[2], qa[3], qa[4], qa[5],
                             qa[6], HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
