@@ -35,7 +35,7 @@ inline bool config_fits(const RopeParams& p, const RopeDevice& dev, const RopeCo
       if (c.heads_per_thread < 1 || c.heads_per_thread > 16) return false;
       if (c.schedule != ROPE_PIPE2_STREAM && c.schedule != ROPE_ROUNDS4_PLAIN) return false;
       const int64_t V = c.vector_bytes / elem_bytes(p);
-      return heads_fits(plan_heads(p, V, f.neox, c.vector_bytes, c.heads_per_thread, c.block_threads));
+      return heads_fits(plan_heads(p, V, f.neox, c.heads_per_thread, c.block_threads));
     }
     case ROPE_FLAT:
       return f.vectors && flat_ok(p, f.V) && flat_blocks_fit(p, f.V, c.flat_blocks, c.vectors);

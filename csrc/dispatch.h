@@ -12,7 +12,7 @@ namespace {
 
 template <typename T, bool NEOX, class Angles, int VB, class Exec>
 cudaError_t run_heads(const RopeParams& p, const RopeConfig& c, Exec& exec) {
-  const HeadsPlan plan = plan_heads(p, VecInfo<T, VB>::kVec, NEOX, VB, c.heads_per_thread, c.block_threads);
+  const HeadsPlan plan = plan_heads(p, VecInfo<T, VB>::kVec, NEOX, c.heads_per_thread, c.block_threads);
   const bool fly = c.rows_on_the_fly != 0;
   if (plan.hl >= p.Hq + p.Hk)  // one head per thread: the kernel with the fewest registers
     return exec.template heads<T, NEOX, SCHED_ROUNDS, 1, HINT_STREAM, Angles, VB>(p, plan, fly);

@@ -4,10 +4,7 @@
 // chunk c of heads lane, lane + HL, ... of the token (q heads first, then k heads). Chunk c < CR is
 // a rotary chunk: neox loads the vectors at c*V and c*V + R/2 (V pairs), gptj the vector at c*V
 // (V/2 adjacent pairs); its cos/sin floats are loaded once and reused for all of the thread's
-// heads. Chunks CR <= c < CT copy pass-through vectors [R, D) (out of place only). With 8-byte
-// vectors and NeoX pairs (rotary halves of 24 bytes: GPT-NeoX-20B's rotary 24 in bf16), a copy
-// chunk is two vectors, one 16-byte access where aligned, so that every thread moves 16 bytes
-// per head as the rotary ones do (kPairCopy).
+// heads. Chunks CR <= c < CT copy pass-through vectors [R, D) (out of place only).
 // Consecutive threads cover consecutive chunks of a head, so a warp reads whole 128-byte lines
 // whatever the strides between heads and tokens: this family takes every layout.
 //
@@ -59,20 +56,14 @@ ROPE_HD ThreadIdx decompose(const RopeParams& p, const int CT, const int HL, con
   return r;
 }
 
-// Whether pass-through chunks are two vectors (see the top of the file).
-constexpr bool pair_copy(const bool neox, const int vector_bytes) { return neox && vector_bytes == 8; }
-
-ROPE_HD bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
-
 template <typename T, bool NEOX, int ST, int HINT, class Angles, int VB>
 struct HeadsThread {
   using VT = typename Vec<VB>::type;
   static constexpr int V = VecInfo<T, VB>::kVec;
   static constexpr int NC = NEOX ? V : V / 2;
-  static constexpr bool kPairCopy = pair_copy(NEOX, VB);
   const RopeParams& p;
   long long Ht, half, HL;
-  bool rot, second;  // second: a pair-copy chunk's second vector is inside the row
+  bool rot;
   const T* q_tok;
   T* qo_tok;
   const T* k_tok;
@@ -87,8 +78,7 @@ struct HeadsThread {
     HL = hl;
     Ht = p.Hq + p.Hk;
     rot = ix.c < CR;
-    const long long d0 = rot ? (long long)ix.c * V : p.R + (long long)(ix.c - CR) * (kPairCopy ? 2 * V : V);
-    second = kPairCopy && !rot && d0 + V < p.D;
+    const long long d0 = rot ? (long long)ix.c * V : p.R + (long long)(ix.c - CR) * V;
     half = p.R >> 1;
     wait_for_previous_grid();  // index math above overlaps the previous kernel's tail (PDL)
     // The position heads the longest dependency chain (position -> cos/sin row): issue it first.
@@ -122,15 +112,8 @@ struct HeadsThread {
       if (h < Ht) {
         const bool isq = h < p.Hq;
         const T* src = isq ? q_tok + h * p.q_stride[2] : k_tok + (h - p.Hq) * p.k_stride[2];
-        if (kPairCopy && second && aligned16(src)) {
-          const uint4 w = ld_data<HINT, uint4>(src);
-          va[u] = VT{w.x, w.y};
-          vb[u] = VT{w.z, w.w};
-          continue;
-        }
         va[u] = ld_data<HINT, VT>(src);
         if (NEOX && rot) vb[u] = ld_data<HINT, VT>(src + half);
-        if (kPairCopy && second) vb[u] = ld_data<HINT, VT>(src + V);
       }
     }
   }
@@ -143,16 +126,7 @@ struct HeadsThread {
         const bool isq = h < p.Hq;
         T* dst = isq ? qo_tok + h * p.q_out_stride[2] : ko_tok + (h - p.Hq) * p.k_out_stride[2];
         if (!rot) {
-          if (kPairCopy && second) {
-            if (aligned16(dst)) {
-              st_data<HINT>(dst, make_uint4(va[u].x, va[u].y, vb[u].x, vb[u].y));
-            } else {
-              st_data<HINT>(dst, va[u]);
-              st_data<HINT>(dst + V, vb[u]);
-            }
-          } else {
-            st_data<HINT>(dst, va[u]);
-          }
+          st_data<HINT>(dst, va[u]);
         } else if (NEOX) {
           float x[V], y[V], xo[V], yo[V];
           unpack_vec<T>(va[u], x);
@@ -233,13 +207,12 @@ struct HeadsPlan {
   int threads;
 };
 
-inline HeadsPlan plan_heads(const RopeParams& p, const int64_t V, const bool neox, const int vector_bytes,
+inline HeadsPlan plan_heads(const RopeParams& p, const int64_t V, const bool neox,
                             const int heads_per_thread, const int block_threads) {
   HeadsPlan f;
   const int64_t Ht = p.Hq + p.Hk;
   f.CR = neox ? (p.R / 2) / V : p.R / V;
-  const int64_t copy_vectors = (p.copy_passthrough && p.D > p.R) ? (p.D - p.R) / V : 0;
-  const int64_t CP = pair_copy(neox, vector_bytes) ? (copy_vectors + 1) / 2 : copy_vectors;
+  const int64_t CP = (p.copy_passthrough && p.D > p.R) ? (p.D - p.R) / V : 0;
   f.CT = f.CR + CP;
   f.hl = (Ht + heads_per_thread - 1) / heads_per_thread;
   f.threads = block_threads;

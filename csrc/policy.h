@@ -118,8 +118,7 @@ inline CallFacts facts_of(const RopeParams& p, const RopeDevice& dev) {
   f.vectors8 = vectors_fit(p, 8);
   const int64_t V = f.vectors || !f.vectors8 ? f.V : f.V / 2;  // the heads family's vectors
   const int64_t rotary_chunks = f.neox ? (p.R / 2) / V : p.R / V;
-  const int64_t copy_vectors = (p.copy_passthrough && p.D > p.R) ? (p.D - p.R) / V : 0;
-  const int64_t copy_chunks = pair_copy(f.neox, f.vectors || !f.vectors8 ? 16 : 8) ? (copy_vectors + 1) / 2 : copy_vectors;
+  const int64_t copy_chunks = (p.copy_passthrough && p.D > p.R) ? (p.D - p.R) / V : 0;
   f.chunks = f.tokens * f.heads * (rotary_chunks + copy_chunks);
   f.decode = f.chunks < (int64_t)dev.num_sms * kDecodeChunksPerSM;
   return f;

@@ -381,7 +381,7 @@ def accuracy(rn: Runner):
                 run_case(rn, dtype=dtype, style=style, layout=layout, D=96, r=r8, Hq=4, Hk=2,
                          inplace=layout in ("sbhd", "thd"), inverse=False, pos_kind=pk)
                 # and an odd number of 8-byte pass-through vectors, head rows at 8-byte but not
-                # 16-byte boundaries (NeoX copies pairs of vectors, 16-byte accesses where aligned)
+                # 16-byte boundaries
                 run_case(rn, dtype=dtype, style=style, layout=layout,
                          D=96 + 8 // torch.empty((), dtype=dtype).element_size(), r=r8, Hq=3, Hk=2,
                          inplace=False, inverse=True, pos_kind=pk)
