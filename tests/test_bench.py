@@ -393,6 +393,10 @@ def test_candidates_report_policy_against_best(monkeypatch):
     assert run_mod.failures(results) == []  # a wrong non-policy candidate is reported, not failed
     text = report.text_table(report.CANDIDATE_COLUMNS, results["candidates"])
     assert "broken (MISMATCH" in text and "100.0" in text
+    # a candidates-only GPU run measures no copy bandwidth: it renders all the same
+    gpu_run = {**_gpu_results(), "candidates": results["candidates"], "rows": []}
+    del gpu_run["copy_bandwidth_GBps"], gpu_run["host"]
+    assert "Same-run copy" not in report.render(gpu_run) and "broken (MISMATCH" in report.markdown(gpu_run)
     module, why = candidates.backend_module("torch")
     assert module is None and "kernel_candidates" in why
 

@@ -131,9 +131,10 @@ def platform_line(results: dict) -> str:
 def method_lines(results: dict) -> list[str]:
     env = results["environment"]
     if env["device"] == "cuda":
-        return [
-            f"Same-run copy bandwidth: {results['copy_bandwidth_GBps']:.0f} GB/s (2 GiB device-to-device copy, "
-            "bytes read + written).",
+        # a candidates-only run times no providers and measures no copy bandwidth
+        copy = ([f"Same-run copy bandwidth: {results['copy_bandwidth_GBps']:.0f} GB/s (2 GiB device-to-device "
+                 "copy, bytes read + written)."] if "copy_bandwidth_GBps" in results else [])
+        return copy + [
             "GPU time: calls captured in one CUDA graph (~20 ms of work), replay time / calls, median of the "
             "replays, after warm-up, rotating input sets that together exceed 3x the L2.",
             "Bytes: q and k read and written once (rotary dims only in place), one float32 cos/sin row and one "
@@ -175,7 +176,7 @@ def load_warning(results: dict) -> str | None:
 
 def render(results: dict) -> str:
     parts = [f"rope_ops bench: {platform_line(results)}"]
-    parts += method_lines(results)[:1]
+    parts += [line for line in method_lines(results)[:1] if line.startswith("Same-run copy")]
     warning = load_warning(results)
     if warning:
         parts.append(warning)
