@@ -40,7 +40,7 @@ def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | Non
           style: str | None = None, layout: str | None = None, base: float | None = None,
           scaling: dict | None = None, rope: RotaryEmbedding | None = None,
           cos_sin: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None = None,
-          inplace: bool = False, backend: str | None = None, max_position: int | None = None,
+          angles: torch.Tensor | None = None, inplace: bool = False, backend: str | None = None, max_position: int | None = None,
           seq_len: int | None = None, head_dim: int | None = None, mrope_section=None,
           mrope_interleaved: bool = False, out=None):
     """Rotate q and k by their tokens' positions (RotaryEmbedding). Returns ``(q_out, k_out)``.
@@ -69,6 +69,11 @@ def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | Non
             per token: [B, S, w], [1, S, w] or [S, w] ([T, w] for thd), w = r/2 or r (Hugging
             Face's cos/sin as its rotary module returns them). Pass rotary_dim for partial rotary
             with duplicated tables (a width w <= head_dim/2 is read as r/2).
+        angles: the rotation angles in radians instead of tables (TransformerEngine's ``freqs``):
+            the shapes ``cos_sin``'s tables take (per position, or per token with pos None), or
+            TransformerEngine's [P, 1, 1, w]; w = r/2, or r with duplicated halves (neox) or
+            duplicated neighbours (gptj). cos and sin are computed from them once per call, in
+            float64 where the device has it, rounded to float32; then as ``cos_sin``.
         inplace: write into q and k (only the rotary dims are touched) and return them. Works in
             training on views of a tensor that requires grad (packed QKV).
         backend: force a backend (a name or a comma list); overrides ROPE_OPS_BACKEND.
@@ -78,6 +83,8 @@ def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | Non
             in consecutive chunks.
         out: (q_out, k_out) to write into (out of place, no autograd); any strides.
     """
+    if angles is not None:
+        cos_sin = _tables_of_angles(angles, cos_sin)
     if pos is None and type(cos_sin) is tuple and rope is None and base is None and scaling is None \
             and max_position is None and seq_len is None and inplace is False and head_dim is None \
             and mrope_section is None and out is None and not _is_compiling():
@@ -212,19 +219,23 @@ def apply_grad(grad_q: torch.Tensor, grad_k: torch.Tensor | None, pos, **kwargs)
     by minus the angle; pass-through dims get the gradient unchanged. For callers that run their
     own backward; ``apply`` already has it wired into autograd. Differentiable itself.
     """
-    unknown = set(kwargs) - set(_KWARG_NAMES)
+    unknown = set(kwargs) - set(_KWARG_NAMES) - {"angles"}
     if unknown:
         raise TypeError(f"apply_grad() got unexpected keyword arguments {sorted(unknown)}")
     options = {name: kwargs.get(name, _KWARG_DEFAULTS.get(name)) for name in _KWARG_NAMES}
+    if kwargs.get("angles") is not None:
+        options["cos_sin"] = _tables_of_angles(kwargs["angles"], options["cos_sin"])
     return _apply(grad_q, grad_k, pos, options, inverse=True)
 
 
 def which_backend(q, k, pos, **kwargs) -> str:
     """The name of the backend ``apply`` would run for these arguments (nothing is computed)."""
-    unknown = set(kwargs) - set(_KWARG_NAMES)
+    unknown = set(kwargs) - set(_KWARG_NAMES) - {"angles"}
     if unknown:
         raise TypeError(f"select_backend() got unexpected keyword arguments {sorted(unknown)}")
     options = {name: kwargs.get(name, _KWARG_DEFAULTS.get(name)) for name in _KWARG_NAMES}
+    if kwargs.get("angles") is not None:
+        options["cos_sin"] = _tables_of_angles(kwargs["angles"], options["cos_sin"])
     return _apply(q, k, pos, options, mode="select")
 
 
@@ -601,6 +612,31 @@ def _caller_tables(cos_sin, rotary_dim, head_dim, style, per_token):
         return (cos[..., :half], sin[..., :half]), rotary_dim
     raise RopeError(f"cos_sin: tables of width {width} fit rotary_dim {2 * width} (one value per "
                     f"frequency) or {width} (duplicated halves), but rotary_dim is {rotary_dim}")
+
+
+def _tables_of_angles(angles, cos_sin):
+    """(cos, sin) float32 tables of the same shape as angles (TransformerEngine's [P, 1, 1, w]
+    as [P, w]), for the cos_sin path."""
+    if cos_sin is not None:
+        raise RopeError("angles: give either angles or cos_sin, not both")
+    if not isinstance(angles, torch.Tensor):
+        raise RopeError(f"angles: expected a tensor of angles in radians, got {type(angles).__name__}")
+    if not angles.dtype.is_floating_point or angles.dtype.itemsize < 2 or angles.is_complex():
+        raise RopeError(f"angles: expected a floating-point tensor, got {angles.dtype}")
+    if angles.requires_grad and torch.is_grad_enabled():
+        raise RopeError("angles: requires grad; gradients w.r.t. the angles are not supported")
+    if angles.dim() == 4:
+        if angles.shape[1] != 1 or angles.shape[2] != 1:
+            raise RopeError(f"angles: a 4-D tensor must be TransformerEngine's [P, 1, 1, w], got shape "
+                            f"{list(angles.shape)}")
+        angles = angles[:, 0, 0]
+    if angles.dim() == 0:
+        raise RopeError("angles: must have a frequency axis")
+    # float64 where the device has it: the tables are then cos/sin of the given angles rounded
+    # once to float32, as rope_ops' own tables are
+    wide = torch.float64 if angles.device.type in ("cpu", "cuda") else torch.float32
+    wide_angles = angles.detach().to(wide)
+    return torch.cos(wide_angles).to(torch.float32), torch.sin(wide_angles).to(torch.float32)
 
 
 def _check_tables(cos_sin, device):
