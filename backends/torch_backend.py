@@ -44,6 +44,7 @@ class TorchBackend(Backend):
     table_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
     supports_prologue = True
     prologue_cache_dtypes = frozenset(d for d in (getattr(torch, "float8_e4m3fn", None),) if d)
+    prologue_q_dtypes = prologue_cache_dtypes
 
     def run_prologue(self, args) -> None:
         prologue_forward_torch(args)

@@ -331,6 +331,11 @@ def bind(backend: Backend, cos, sin, freq_turns, attention_factor, layout, rotar
 # The fused prologue (rope_ops.prologue): running a backend, and its ops for torch.compile.
 
 
+def q_out_dtype(q_scale: float):
+    """The prologue's q dtype when it is not qkv's: float8 e4m3 with a q scale."""
+    return torch.float8_e4m3fn if q_scale > 0 else None
+
+
 def run_prologue_backend(backend: Backend, args, call=None):
     """Run the prologue's forward on ``backend``; returns (q, k, v): new tensors out of place,
     views of qkv in place. Moves the version counters of what it wrote in place (qkv, caches)."""
@@ -342,7 +347,9 @@ def run_prologue_backend(backend: Backend, args, call=None):
     if args.inplace:
         outs = _inplace_views(qkv, args)
     else:
-        outs = tuple(torch.empty(*lead, h, d, dtype=qkv.dtype, device=qkv.device) for h in (hq, hk, hk))
+        outs = tuple(torch.empty(*lead, h, d, dtype=dtype, device=qkv.device)
+                     for h, dtype in ((hq, q_out_dtype(args.q_scale) or qkv.dtype), (hk, qkv.dtype),
+                                      (hk, qkv.dtype)))
         args = args._replace(q_out=outs[0], k_out=outs[1], v_out=outs[2])
     if qkv.numel() == 0:
         return outs
@@ -353,7 +360,8 @@ def run_prologue_backend(backend: Backend, args, call=None):
             torch.autograd.graph.increment_version(t)
     if call is not None and not registry.is_builtin(backend.name) and (backend.name, call) not in _verified:
         for name, out, heads in (("q", outs[0], hq), ("k", outs[1], hk), ("v", outs[2], hk)):
-            if out.shape != lead + (heads, d) or out.dtype != qkv.dtype:
+            dtype = (q_out_dtype(args.q_scale) if name == "q" else None) or qkv.dtype
+            if out.shape != lead + (heads, d) or out.dtype != dtype:
                 raise BackendError(f"backend {backend.name!r} returned a {name} of shape "
                                    f"{list(out.shape)}, {out.dtype}")
         _verified.add((backend.name, call))
@@ -381,7 +389,7 @@ _PROLOGUE_ARGS = ("Tensor? pos, SymInt pos_offset, Tensor? cos, Tensor? sin, Ten
                   "SymInt rotary_dim, bool interleaved, bool rotate, Tensor? q_weight, Tensor? k_weight, "
                   "float eps, float weight_offset")
 _CACHE_ARGS = ("Tensor(c!)? k_cache, Tensor(d!)? v_cache, Tensor? slots, float k_scale, "
-               "float v_scale, bool needs_grad, str backend")
+               "float v_scale, float q_scale, bool needs_grad, str backend")
 _LIB.define(f"qkv_prologue(Tensor qkv, {_PROLOGUE_ARGS}, {_CACHE_ARGS}) -> (Tensor, Tensor, Tensor)")
 _LIB.define(f"qkv_prologue_(Tensor(a!) qkv, {_PROLOGUE_ARGS}, {_CACHE_ARGS}) -> ()")
 _LIB.define(f"qkv_prologue_backward(Tensor qkv, Tensor? grad_q, Tensor? grad_k, Tensor? grad_v, "
@@ -391,7 +399,7 @@ _LIB.define(f"qkv_prologue_backward(Tensor qkv, Tensor? grad_q, Tensor? grad_k, 
 def _prologue_args(qkv, inplace, pos, pos_offset, cos, sin, freq_turns, attention_factor, freqs,
                    seq_len, angles, mrope_section, mrope_interleaved, layout, hq, hk, head_dim,
                    rotary_dim, interleaved, rotate, q_weight, k_weight, eps, weight_offset,
-                   k_cache=None, v_cache=None, slots=None, k_scale=1.0, v_scale=1.0):
+                   k_cache=None, v_cache=None, slots=None, k_scale=1.0, v_scale=1.0, q_scale=0.0):
     from .backend import PrologueArgs
 
     cos, sin, freq_turns, attention_factor = tables_of(cos, sin, freq_turns, attention_factor, freqs,
@@ -399,7 +407,8 @@ def _prologue_args(qkv, inplace, pos, pos_offset, cos, sin, freq_turns, attentio
     return PrologueArgs(qkv, None, None, None, pos, pos_offset, cos, sin, freq_turns,
                         attention_factor, layout, hq, hk, head_dim, rotary_dim, interleaved, rotate,
                         q_weight, k_weight, eps, weight_offset, inplace, k_cache, v_cache, slots,
-                        k_scale, v_scale, angles, tuple(mrope_section) or None, mrope_interleaved)
+                        k_scale, v_scale, angles, tuple(mrope_section) or None, mrope_interleaved,
+                        q_scale)
 
 
 def _prologue_call(args, needs_grad):
@@ -408,7 +417,8 @@ def _prologue_call(args, needs_grad):
                     args.num_q_heads, args.num_kv_heads, args.inplace,
                     None if args.pos is None else args.pos.dtype, args.rotate and args.freq_turns is None,
                     needs_grad, True, args.angles, args.cos.dtype, "prologue",
-                    None if args.k_cache is None else args.k_cache.dtype)
+                    None if args.k_cache is None else args.k_cache.dtype,
+                    q_out_dtype=q_out_dtype(args.q_scale))
 
 
 def _run_prologue_op(inplace, qkv, *rest):
@@ -428,7 +438,9 @@ def _qkv_prologue_kernel(qkv, *rest):
 def _qkv_prologue_fake(qkv, pos, pos_offset, cos, sin, freq_turns, attention_factor, freqs, seq_len,
                        angles, mrope_section, mrope_interleaved, layout, hq, hk, head_dim, *rest):
     lead = tuple(qkv.shape[:-1])
-    return tuple(qkv.new_empty(*lead, h, head_dim) for h in (hq, hk, hk))
+    q_scale = rest[-3]
+    return (qkv.new_empty(*lead, hq, head_dim, dtype=q_out_dtype(q_scale) or qkv.dtype),
+            qkv.new_empty(*lead, hk, head_dim), qkv.new_empty(*lead, hk, head_dim))
 
 
 @torch.library.impl(_LIB, "qkv_prologue_", "CompositeExplicitAutograd")

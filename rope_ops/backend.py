@@ -67,6 +67,7 @@ class RopeCall(NamedTuple):
     op: str = "rope"  # "rope" (apply) or "prologue" (qkv_prologue: PrologueArgs)
     cache_dtype: torch.dtype | None = None  # prologue: the KV cache's dtype, None without a cache
     mrope_interleaved: bool = False  # angles "mrope": frequencies assigned round-robin (Qwen3-VL)
+    q_out_dtype: torch.dtype | None = None  # prologue: q's output dtype when not qkv's (float8)
 
 
 class KernelArgs(NamedTuple):
@@ -152,6 +153,9 @@ class PrologueArgs(NamedTuple):
     angles: str = "table"
     mrope_section: tuple[int, int, int] | None = None
     mrope_interleaved: bool = False
+    # > 0: q_out is float8_e4m3fn holding q / q_scale, rounded once (saturating, as the float8
+    # cache); out of place and inference only
+    q_scale: float = 0.0
 
     def rotation(self, x: torch.Tensor) -> KernelArgs:
         """The KernelArgs of rotating ``x`` (a [B, S, H, D] or [T, H, D] view) like this call."""
@@ -191,6 +195,8 @@ class Backend:
     # KV-cache dtypes it writes (besides the input's own dtype).
     supports_prologue: ClassVar[bool] = False
     prologue_cache_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset()
+    # dtypes it writes q in besides the input's (float8 with PrologueArgs.q_scale)
+    prologue_q_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset()
     # Out of place, a backend that allocates its own outputs (saving the Python-side allocation,
     # ~1 us each) gets q_out = k_out = None and returns (q_out, k_out) from run().
     allocates_outputs: ClassVar[bool] = False
@@ -232,6 +238,8 @@ class Backend:
                 reasons.append("no fused prologue (qkv_prologue)")
             elif call.cache_dtype not in (None, call.dtype) and call.cache_dtype not in self.prologue_cache_dtypes:
                 reasons.append(f"no KV-cache write in {call.cache_dtype}")
+            if call.q_out_dtype is not None and call.q_out_dtype not in self.prologue_q_dtypes:
+                reasons.append(f"no q output in {call.q_out_dtype}")
         return reasons
 
     def run(self, args: KernelArgs):
@@ -444,7 +452,7 @@ def prologue_forward_torch(args: PrologueArgs) -> None:
         q.copy_(done[0])
         k.copy_(done[1])
     else:
-        args.q_out.copy_(done[0])
+        args.q_out.copy_(_float8_of(done[0], args.q_scale) if args.q_scale > 0 else done[0])
         args.k_out.copy_(done[1])
         args.v_out.copy_(v)
     if args.k_cache is not None:
@@ -454,13 +462,17 @@ def prologue_forward_torch(args: PrologueArgs) -> None:
         for cache, values, scale in ((args.k_cache, done[1], args.k_scale),
                                      (args.v_cache, v.to(compute), args.v_scale)):
             flat = values.reshape(-1, *values.shape[-2:])[keep]
-            stored = flat / scale if scale != 1.0 else flat
             if cache.element_size() == 1:  # float8: index_copy_ has no float8 kernel; move bytes
-                # saturate (SPEC): torch before 2.13 converts values past 448 to NaN
-                stored = stored.clamp(-_FLOAT8_MAX, _FLOAT8_MAX).to(cache.dtype)
-                cache.view(torch.uint8).index_copy_(0, index, stored.view(torch.uint8))
+                cache.view(torch.uint8).index_copy_(0, index, _float8_of(flat, scale).view(torch.uint8))
             else:
-                cache.index_copy_(0, index, stored.to(cache.dtype))
+                cache.index_copy_(0, index, (flat / scale if scale != 1.0 else flat).to(cache.dtype))
+
+
+def _float8_of(values: torch.Tensor, scale: float) -> torch.Tensor:
+    """float8 e4m3 of values / scale, saturating at +-448 (SPEC; torch before 2.13 converts
+    values past 448 to NaN); NaN stays NaN."""
+    stored = values / scale if scale != 1.0 else values
+    return stored.clamp(-_FLOAT8_MAX, _FLOAT8_MAX).to(torch.float8_e4m3fn)
 
 
 def prologue_backward_torch(args: PrologueArgs, grad_q, grad_k, grad_v):

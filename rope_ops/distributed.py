@@ -827,7 +827,7 @@ def _prologue_rule(has_outputs: bool):
     def rule(qkv, pos, pos_offset, cos, sin, freq_turns, attention_factor, freqs, seq_len, angles,
              mrope_section, mrope_interleaved, layout, num_q_heads, num_kv_heads, head_dim, rotary_dim,
              interleaved, rotate, q_weight, k_weight, eps, weight_offset, k_cache, v_cache, slots,
-             k_scale, v_scale, needs_grad, backend):
+             k_scale, v_scale, q_scale, needs_grad, backend):
         _, Replicate, _ = _placement_types()
         sharding = _prologue_sharding(qkv, layout)
         pos_t, table, turns = _prologue_angles(sharding, qkv, pos, cos, sin, freq_turns, angles, layout,
@@ -848,7 +848,7 @@ def _prologue_rule(has_outputs: bool):
             inputs = ([p, pos_t[i], None, None if cos is None else table[i],
                        None if sin is None else table[i], turns[i]] + [None] * 13
                       + [rep(q_weight), rep(k_weight), None, None, rep(k_cache), rep(v_cache),
-                         rep(slots)] + [None] * 4)
+                         rep(slots)] + [None] * 5)
             strategies.append(([p, p, p] if has_outputs else [], inputs))
         return strategies
 

@@ -24,7 +24,7 @@ import torch
 from . import _select
 from ._api import resolve_angles
 from ._errors import RopeError
-from ._ops import run_prologue_backend, run_prologue_backward_backend
+from ._ops import q_out_dtype, run_prologue_backend, run_prologue_backward_backend
 from .backend import PrologueArgs, RopeCall
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -39,7 +39,7 @@ def qkv_prologue(qkv: torch.Tensor, pos, *, num_q_heads: int, num_kv_heads: int,
                  scaling: dict | None = None, rope=None, cos_sin=None, max_position: int | None = None,
                  seq_len: int | None = None, mrope_section=None, mrope_interleaved: bool = False,
                  inplace: bool = False, kv_cache=None, slots: torch.Tensor | None = None,
-                 cache_scales=None, backend: str | None = None):
+                 cache_scales=None, q_scale: float | None = None, backend: str | None = None):
     """Split, normalise and rotate a QKV projection's output. Returns ``(q, k, v)``.
 
     Args:
@@ -64,6 +64,8 @@ def qkv_prologue(qkv: torch.Tensor, pos, *, num_q_heads: int, num_kv_heads: int,
             they are skipped like -1 (nothing is written out of bounds, and there is no host sync
             to find out). Inference only.
         cache_scales: (k_scale, v_scale) for a float8 cache: the cache holds value / scale.
+        q_scale: return q as float8_e4m3fn holding q / q_scale (rounded once, saturating at
+            +-448 as the float8 cache; for FP8 attention). Out of place, inference only.
         backend: as for ``rope_ops.apply``.
     """
     if type(qkv) is not torch.Tensor:
@@ -76,12 +78,14 @@ def qkv_prologue(qkv: torch.Tensor, pos, *, num_q_heads: int, num_kv_heads: int,
                 rotary_dim=rotary_dim, style=style, base=base, scaling=scaling, rope=rope,
                 cos_sin=cos_sin, max_position=max_position, seq_len=seq_len,
                 mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, inplace=inplace,
-                kv_cache=kv_cache, slots=slots, cache_scales=cache_scales, backend=backend)
+                kv_cache=kv_cache, slots=slots, cache_scales=cache_scales, q_scale=q_scale,
+                backend=backend)
     kw = {"rotary_dim": rotary_dim, "style": style, "base": base, "scaling": scaling, "rope": rope,
           "cos_sin": cos_sin, "max_position": max_position, "seq_len": seq_len,
           "mrope_section": mrope_section, "mrope_interleaved": mrope_interleaved}
     call, args, spec = _prepare(qkv, pos, num_q_heads, num_kv_heads, head_dim, q_norm, k_norm, eps,
-                                norm_offset, rotate, inplace, kv_cache, slots, cache_scales, backend, kw)
+                                norm_offset, rotate, inplace, kv_cache, slots, cache_scales, q_scale,
+                                backend, kw)
     weights = (args.q_weight, args.k_weight)
     if call.needs_grad:
         return PrologueFunction.apply(qkv, args.q_weight, args.k_weight, args.pos, args.cos, args.sin,
@@ -115,6 +119,7 @@ class _Spec(NamedTuple):
     caches: tuple  # (k_cache, v_cache, slots) or (None, None, None)
     freqs: str = ""  # traced calls without tables: the frequency parameters as text
     seq_len: int = -1
+    q_scale: float = 0.0  # > 0: q out as float8 of q / q_scale
 
 
 def _check_int(name, value, minimum=1) -> int:
@@ -131,7 +136,7 @@ def _check_float(name, value, *, positive=False) -> float:
 
 
 def _prepare(qkv, pos, hq, hk, head_dim, q_norm, k_norm, eps, norm_offset, rotate, inplace,
-             kv_cache, slots, cache_scales, backend, kw):
+             kv_cache, slots, cache_scales, q_scale, backend, kw):
     if not isinstance(qkv, torch.Tensor):
         raise RopeError(f"qkv: expected a torch.Tensor, got {type(qkv).__name__}")
     hq, hk, head_dim = (_check_int("num_q_heads", hq), _check_int("num_kv_heads", hk),
@@ -187,6 +192,7 @@ def _prepare(qkv, pos, hq, hk, head_dim, q_norm, k_norm, eps, norm_offset, rotat
                                                                  hk, head_dim, leading)
     elif slots is not None or cache_scales is not None:
         raise RopeError("slots/cache_scales: given without kv_cache")
+    q_scale = _check_q_scale(q_scale, inplace, needs_grad)
     if inplace:
         from ._memory import check_inplace_autograd, has_internal_overlap
 
@@ -204,21 +210,43 @@ def _prepare(qkv, pos, hq, hk, head_dim, q_norm, k_norm, eps, norm_offset, rotat
                     rotary_dim, hq, hk, inplace, None if pos_tensor is None else pos_tensor.dtype,
                     angles is not None and angles.freq_turns is None and not traced_spec, needs_grad,
                     True, kind, torch.float32 if cos is None else cos.dtype,
-                    "prologue", None if k_cache is None else k_cache.dtype)
+                    "prologue", None if k_cache is None else k_cache.dtype,
+                    q_out_dtype=q_out_dtype(q_scale))
     selected = None if _is_compiling() else _select.select(call, request)
     spec = _Spec(layout, angles.pos_offset if angles else 0, angles.attention_factor if angles else 1.0,
                  kind, tuple(angles.mrope_section or ()) if angles else (),
                  bool(angles and angles.mrope_interleaved), hq, hk, head_dim, rotary_dim, interleaved,
                  rotate, eps, norm_offset, inplace, k_scale, v_scale, request, selected, call,
                  (k_cache, v_cache, slots), angles.spec if angles else "",
-                 -1 if not angles or angles.seq_len is None else angles.seq_len)
+                 -1 if not angles or angles.seq_len is None else angles.seq_len, q_scale)
     args = PrologueArgs(qkv, None, None, None, pos_tensor, spec.pos_offset, cos,
                         angles.sin if angles else cos, angles.freq_turns if angles else None,
                         spec.attention_factor, layout, hq, hk, head_dim, rotary_dim, interleaved,
                         rotate, weights[0], weights[1], eps, norm_offset, inplace, k_cache, v_cache,
                         slots, k_scale, v_scale, kind, angles.mrope_section if angles else None,
-                        spec.mrope_interleaved)
+                        spec.mrope_interleaved, q_scale)
     return call, args, spec
+
+
+def _check_q_scale(q_scale, inplace, needs_grad) -> float:
+    """0.0 (q in qkv's dtype) or the positive scale of a float8 q."""
+    if q_scale is None:
+        return 0.0
+    if not _CACHE_FP8:
+        raise RopeError("q_scale: this torch has no float8_e4m3fn")
+    if isinstance(q_scale, torch.Tensor):
+        if q_scale.numel() != 1:
+            raise RopeError(f"q_scale: expected one number, got a tensor of shape {list(q_scale.shape)}")
+        q_scale = float(q_scale)
+    q_scale = _check_float("q_scale", q_scale, positive=True)
+    if not torch.finfo(torch.float32).tiny <= q_scale <= torch.finfo(torch.float32).max:
+        raise RopeError(f"q_scale: {q_scale!r} is not a normal float32 (kernels divide in float32)")
+    if inplace:
+        raise RopeError("q_scale: a float8 q is a new tensor; it cannot be written into qkv (inplace=False)")
+    if needs_grad:
+        raise RopeError("q_scale: a float8 q is for inference; call under torch.no_grad() or "
+                        "torch.inference_mode(), or without q_scale")
+    return q_scale
 
 
 class _EmptyTables(dict):
@@ -302,7 +330,7 @@ def _args(spec: _Spec, qkv, q_weight, k_weight, pos, cos, sin, freq_turns) -> Pr
                         spec.head_dim, spec.rotary_dim, spec.interleaved, spec.rotate, q_weight,
                         k_weight, spec.eps, spec.weight_offset, spec.inplace, k_cache, v_cache, slots,
                         spec.k_scale, spec.v_scale, spec.angles, spec.mrope_section or None,
-                        spec.mrope_interleaved)
+                        spec.mrope_interleaved, spec.q_scale)
 
 
 def _forward(spec: _Spec, qkv, q_weight, k_weight, pos, cos, sin, freq_turns):
@@ -315,7 +343,7 @@ def _forward(spec: _Spec, qkv, q_weight, k_weight, pos, cos, sin, freq_turns):
               spec.layout, spec.num_q_heads,
               spec.num_kv_heads, spec.head_dim, spec.rotary_dim, spec.interleaved, spec.rotate,
               q_weight, k_weight, spec.eps, spec.weight_offset, k_cache, v_cache, slots,
-              spec.k_scale, spec.v_scale, spec.call.needs_grad, spec.request)
+              spec.k_scale, spec.v_scale, spec.q_scale, spec.call.needs_grad, spec.request)
     if spec.inplace:
         torch.ops.rope_ops.qkv_prologue_(qkv, *common)
         return _inplace_views(qkv, spec)

@@ -947,7 +947,7 @@ def check_prologue_ops(c: Ctx):
     rot = dict(rotary_dim=None, style=None, base=BASE, scaling=None, rope=None, cos_sin=None,
                max_position=None, seq_len=None, mrope_section=None, mrope_interleaved=False)
     _, args, spec = _prepare(qkv, pos, hq, hk, d, weights[0], weights[1], 1e-6, 0.0, True, False, None,
-                             None, None, "torch", rot)
+                             None, None, None, "torch", rot)
     rest = (args.pos_offset, args.cos, args.sin, args.freq_turns, args.attention_factor, "", -1,
             args.angles, [], False, args.layout, hq, hk, d, args.rotary_dim, args.interleaved, True)
 
@@ -958,7 +958,7 @@ def check_prologue_ops(c: Ctx):
         tables = [replicated(t) if dist else t for t in rest[1:4]]
         return (x, p, rest[0], *tables, *rest[4:], wq, wk, 1e-6, 0.0)
 
-    cache_none = (None, None, None, 1.0, 1.0, False, "torch")
+    cache_none = (None, None, None, 1.0, 1.0, 0.0, False, "torch")
     ref = torch.ops.rope_ops.qkv_prologue(*op_args(qkv, pos, *weights, dist=False), *cache_none)
     dx, dpos = placed(qkv, mesh, [Shard(1)]), replicated(pos)
     dws = [replicated(t) for t in weights]

@@ -182,6 +182,45 @@ class PrologueTests:
             assert_bitwise_equal(k_cache[slots[written.to(device)]], k[written.to(device)],
                                  "k cache equals the returned k")
 
+    @pytest.mark.parametrize("q_scale", [0.25, 0.004], ids=["in_range", "saturating"])
+    def test_prologue_fp8_q(self, backend_name, backend_obj, device, q_scale):
+        """q_scale: q comes back as float8 e4m3 of q / q_scale, rounded once and saturating at
+        +-448; k and v are those of the same call without it; with a float8 cache too."""
+        fp8 = getattr(torch, "float8_e4m3fn", None)
+        if fp8 is None or fp8 not in backend_obj.prologue_q_dtypes:
+            pytest.skip(f"{backend_name} declares no float8 q (prologue_q_dtypes)")
+        dtype = _dtype_for(backend_obj)
+        qkv, pos, kwargs, ref_kw, _ = _inputs("qwen3_thd", dtype, device, seed=47)
+        n_slots, hk, d = 32, kwargs["num_kv_heads"], kwargs["head_dim"]
+        k_cache = torch.zeros(n_slots, hk, d, dtype=fp8, device=device)
+        v_cache = torch.zeros(n_slots, hk, d, dtype=fp8, device=device)
+        slots = torch.arange(qkv.shape[0], device=device)
+        with torch.inference_mode():
+            q8, k, v = _run(rope_ops.qkv_prologue, qkv, pos, q_scale=q_scale, backend=backend_name, **kwargs)
+            q, k_plain, v_plain = rope_ops.qkv_prologue(qkv, pos, backend=backend_name, **kwargs)
+            q8c, _, _ = rope_ops.qkv_prologue(qkv, pos, q_scale=q_scale, kv_cache=(k_cache, v_cache),
+                                              slots=slots, cache_scales=(0.5, 2.0), backend=backend_name,
+                                              **kwargs)
+        assert q8.dtype == fp8 and q8.shape == q.shape and q8.is_contiguous()
+        assert_bitwise_equal(k, k_plain, "k beside a float8 q")
+        assert_bitwise_equal(v, v_plain, "v beside a float8 q")
+        assert_bitwise_equal(q8c.view(torch.uint8), q8.view(torch.uint8), "float8 q with a cache write")
+        rq, _, _ = prologue_reference(qkv, pos, **ref_kw)
+        got = q8.cpu().to(torch.float64)
+        want = (rq / q_scale).clamp(-448.0, 448.0)
+        # one rounding to e4m3 (3 mantissa bits): half an ulp, plus the float32 math before it
+        bound = want.abs() * 2.0**-4 + 2.0**-9
+        assert ((got - want).abs() <= bound).all(), f"float8 q: worst {(got - want).abs().max():.3g}"
+        if q_scale < 0.01:
+            assert (got.abs() == 448.0).any(), "float8 q: no value saturated at this scale"
+        with pytest.raises(RopeError, match="q_scale"):
+            rope_ops.qkv_prologue(qkv, pos, q_scale=q_scale, inplace=True, backend=backend_name, **kwargs)
+        with pytest.raises(RopeError, match="q_scale"):
+            rope_ops.qkv_prologue(qkv, pos, q_scale=-1.0, backend=backend_name, **kwargs)
+        trained = qkv.detach().clone().requires_grad_(True)
+        with pytest.raises(RopeError, match="q_scale"):
+            rope_ops.qkv_prologue(trained, pos, q_scale=q_scale, backend=backend_name, **kwargs)
+
     def test_prologue_bad_input(self, backend_name, backend_obj, device):
         dtype = _dtype_for(backend_obj)
         qkv, pos, kwargs, _, _ = _inputs("qwen3_thd", dtype, device, seed=47)
