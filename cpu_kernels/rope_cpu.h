@@ -83,6 +83,8 @@ struct RopeCpuPrologueParams {
   // Out of place: q, k, v as [B, S, H, D] with (batch, token, head) strides, stride 1 on D.
   void* out[3] = {nullptr, nullptr, nullptr};
   int64_t out_stride[3][3] = {{0, 0, 0}, {0, 0, 0}, {0, 0, 0}};
+  // > 0 (out of place only): q (out[0]) is float8 e4m3fn holding q / q_scale; 0: the data dtype.
+  float q_scale = 0.0f;
   // RMSNorm: weight_offset + weight as float32 [D] for q and k heads; null: no norm.
   const float* weight[2] = {nullptr, nullptr};
   float eps = 0.0f;

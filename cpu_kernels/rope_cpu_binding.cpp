@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <memory>
 #include <optional>
@@ -495,11 +496,14 @@ void token_strides(const at::Tensor& t, bool thd, int64_t* out) {
 }
 
 // A [T, H, D] / [B, S, H, D] tensor of the call (an output or a gradient): its (batch, token,
-// head) strides, after checking its metadata.
+// head) strides, after checking its metadata. `fp8`: float8 e4m3fn (q with q_scale), else
+// qkv's dtype.
 void heads_view(const at::Tensor& t, const at::Tensor& qkv, bool thd, int64_t heads, int64_t d,
-                const char* name, int64_t* strides) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == qkv.scalar_type(), "rope_ops_cpu: ", name,
-              " must be a CPU tensor of qkv's dtype");
+                const char* name, int64_t* strides, bool fp8 = false) {
+  const at::ScalarType dtype = fp8 ? at::ScalarType::Float8_e4m3fn : qkv.scalar_type();
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, "rope_ops_cpu: ", name,
+              fp8 ? " must be a float8_e4m3fn CPU tensor (q_scale)"
+                  : " must be a CPU tensor of qkv's dtype");
   std::vector<int64_t> expected(qkv.sizes().begin(), qkv.sizes().end() - 1);
   expected.push_back(heads);
   expected.push_back(d);
@@ -610,6 +614,12 @@ void prologue(py::handle args, const std::optional<at::Tensor>& mrope_axis) {
   const at::Tensor& qkv = call.qkv;
   const int64_t hk = p.kv_heads, d = p.rope.head_dim;
   p.inplace = field<bool>(args, "inplace");
+  // q_scale > 0: q out as float8 (the kernels divide by it in float32, as torch does)
+  const double q_scale = field<double>(args, "q_scale");
+  p.q_scale = static_cast<float>(q_scale);
+  TORCH_CHECK(q_scale == 0.0 || (p.q_scale > 0.0f && std::isfinite(p.q_scale) && !p.inplace),
+              "rope_ops_cpu: q_scale must be 0, or a finite float32 value > 0 out of place; got ",
+              q_scale, p.inplace ? " in place" : "");
   std::optional<at::Tensor> outs[3];
   if (p.inplace) {
     p.qkv_out = qkv.data_ptr();
@@ -619,7 +629,8 @@ void prologue(py::handle args, const std::optional<at::Tensor>& mrope_axis) {
     for (int i = 0; i < 3; ++i) {
       outs[i] = optional_field(args, names[i]);
       TORCH_CHECK(outs[i].has_value(), "rope_ops_cpu: out of place needs ", names[i]);
-      heads_view(*outs[i], qkv, call.thd, heads[i], d, names[i], p.out_stride[i]);
+      heads_view(*outs[i], qkv, call.thd, heads[i], d, names[i], p.out_stride[i],
+                 i == 0 && p.q_scale > 0.0f);
       p.out[i] = outs[i]->data_ptr();
     }
   }

@@ -7,7 +7,9 @@
 // rope_cpu_kernel.h's angle stage (one row per token, reused by all its heads):
 //   q and k heads: loaded to float32, RMS-normalised where the head has a weight (float32
 //     statistics over the head: x * rsqrt(mean(x^2) + eps) * (offset + weight)), rotated, and
-//     rounded once to the output: a new [B, S, H, D] tensor or, in place, the head itself;
+//     rounded once to the output: a new [B, S, H, D] tensor or, in place, the head itself; with
+//     q_scale, q's output holds float8 e4m3 of value / q_scale, rounded once from the float32
+//     value as the float8 cache is;
 //   v heads: copied (out of place);
 //   KV cache: the rotated k and the v heads also go to the token's slot (slots outside
 //     [0, num_slots) are skipped): the output's own bits in the data dtype, or float8 e4m3 of
@@ -254,35 +256,43 @@ struct PrologueKernel {
     if (tail && 2 * half < p.rope.head_dim) write_dims<V>(x, y, 2 * half, p.rope.head_dim);
   }
 
-  // The head from source x: rotated, rounded once into y; cache_row (null: none) gets it too,
-  // from y's bits or (float8) from the float32 values. `inplace_plain`: y is x's own row, which
-  // keeps its pass-through dims.
+  // The head from source x: rotated, rounded once into y (T elements; float8 e4m3 of value /
+  // y_scale when y_scale > 0, a q head with q_scale); cache_row (null: none) gets it too, from
+  // y's bits or (float8) from the float32 values. `inplace_plain`: y is x's own row, which keeps
+  // its pass-through dims.
   template <class Src>
-  static void finish_head(const RopeCpuPrologueParams& p, const Src& x, T* y, const float* c,
-                          const float* s, F signs, void* cache_row, float scale, float* rotated,
-                          bool inplace_plain) {
+  static void finish_head(const RopeCpuPrologueParams& p, const Src& x, void* y, float y_scale,
+                          const float* c, const float* s, F signs, void* cache_row, float scale,
+                          float* rotated, bool inplace_plain) {
     const int64_t d = p.rope.head_dim;
+    if (y_scale > 0.0f) {  // q heads only: never in place, never with a cache row
+      rotate_row(p, x, rotated, c, s, signs, true);
+      store_e4m3_row(rotated, static_cast<uint8_t*>(y), d, y_scale);
+      return;
+    }
+    T* out = static_cast<T*>(y);
     if (cache_row != nullptr && p.cache_dtype == ROPE_CPU_F8E4M3) {
       rotate_row(p, x, rotated, c, s, signs, true);
-      convert_row<V>(static_cast<const float*>(rotated), y, d);
+      convert_row<V>(static_cast<const float*>(rotated), out, d);
       store_e4m3_row(rotated, static_cast<uint8_t*>(cache_row), d, scale);
       return;
     }
-    rotate_row(p, x, y, c, s, signs, !inplace_plain);
-    if (cache_row != nullptr) __builtin_memcpy(cache_row, y, d * sizeof(T));
+    rotate_row(p, x, out, c, s, signs, !inplace_plain);
+    if (cache_row != nullptr) __builtin_memcpy(cache_row, out, d * sizeof(T));
   }
 
   // One q or k head x: normalised (weight non-null: `normed` holds x in float32, rstd its
-  // statistic), rotated, rounded once into y (x itself in place); cache_row (null: none) gets
-  // the result too.
-  static void forward_head(const RopeCpuPrologueParams& p, const T* x, T* y, const float* weight,
-                           const float* normed, float rstd, const float* c, const float* s, F signs,
-                           void* cache_row, float scale, float* rotated) {
+  // statistic), rotated, rounded once into y (x itself in place; float8 with y_scale > 0, as
+  // finish_head); cache_row (null: none) gets the result too.
+  static void forward_head(const RopeCpuPrologueParams& p, const T* x, void* y, float y_scale,
+                           const float* weight, const float* normed, float rstd, const float* c,
+                           const float* s, F signs, void* cache_row, float scale, float* rotated) {
     if (weight != nullptr) {
-      finish_head(p, NormedSource<V>{normed, weight, V::set1(rstd)}, y, c, s, signs, cache_row,
-                  scale, rotated, false);
+      finish_head(p, NormedSource<V>{normed, weight, V::set1(rstd)}, y, y_scale, c, s, signs,
+                  cache_row, scale, rotated, false);
     } else {
-      finish_head(p, RowSource<V, T>{x}, y, c, s, signs, cache_row, scale, rotated, p.inplace);
+      finish_head(p, RowSource<V, T>{x}, y, y_scale, c, s, signs, cache_row, scale, rotated,
+                  p.inplace);
     }
   }
 
@@ -299,9 +309,12 @@ struct PrologueKernel {
     }
   }
 
-  static T* out_head(const RopeCpuPrologueParams& p, int which, int64_t b, int64_t s, int64_t h) {
+  // Head (b, s, h) of output `which`: T elements, or float8 bytes for q with q_scale.
+  static void* out_head(const RopeCpuPrologueParams& p, int which, int64_t b, int64_t s, int64_t h) {
     const int64_t* st = p.out_stride[which];
-    return static_cast<T*>(p.out[which]) + b * st[0] + s * st[1] + h * st[2];
+    const int64_t at = b * st[0] + s * st[1] + h * st[2];
+    if (which == 0 && p.q_scale > 0.0f) return static_cast<uint8_t*>(p.out[0]) + at;
+    return static_cast<T*>(p.out[which]) + at;
   }
 
   static void* cache_head(const RopeCpuPrologueParams& p, int which, int64_t slot, int64_t h) {
@@ -310,7 +323,7 @@ struct PrologueKernel {
     return static_cast<char*>(p.cache[which]) + (slot * st[0] + h * st[1]) * element;
   }
 
-  // work: row 0 for a rotated head (float8 caches) or v in float32, rows 1.. for the group's
+  // work: row 0 for a rotated head (float8 caches or q) or v in float32, rows 1.. for the group's
   // normalised heads.
   static void forward_block(const RopeCpuPrologueParams& p, const Block& blk, float* work) {
     const int64_t d = p.rope.head_dim, hq = p.q_heads, hk = p.kv_heads;
@@ -339,14 +352,16 @@ struct PrologueKernel {
           const int64_t h = h0 + g;
           const int which = h < hq ? 0 : 1;
           const int64_t head = h < hq ? h : h - hq;
-          T* y = p.inplace ? row_out + h * d : out_head(p, which, b, s, head);
+          void* y = p.inplace ? row_out + h * d : out_head(p, which, b, s, head);
           void* cache_row = which == 1 && slot >= 0 ? cache_head(p, 0, slot, head) : nullptr;
-          forward_head(p, row + h * d, y, p.weight[which], work + (g + 1) * row_floats, rstd[g], c,
-                       sn, signs, cache_row, p.cache_scale[0], work);
+          forward_head(p, row + h * d, y, which == 0 ? p.q_scale : 0.0f, p.weight[which],
+                       work + (g + 1) * row_floats, rstd[g], c, sn, signs, cache_row,
+                       p.cache_scale[0], work);
         }
       }
       for (int64_t h = 0; h < hk; ++h) {
-        forward_v(p, row + (hq + hk + h) * d, p.inplace ? nullptr : out_head(p, 2, b, s, h),
+        forward_v(p, row + (hq + hk + h) * d,
+                  p.inplace ? nullptr : static_cast<T*>(out_head(p, 2, b, s, h)),
                   slot >= 0 ? cache_head(p, 1, slot, h) : nullptr, p.cache_scale[1], work);
       }
     }

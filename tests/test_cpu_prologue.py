@@ -8,7 +8,8 @@ reference: every dtype, thd and bshd, GQA and MQA, partial rotary, gptj, the nor
 q and k, Gemma's weight offset, strided qkv rows, in place, every angle kind (positions inside
 and outside the table, an int offset, caller and per-token tables, mRoPE, no rotation), head
 sizes with vector remainders. Then what the kernels promise beyond the reference: cache writes
-(-1, out-of-range slots never written, float8 rounded as torch rounds), absent and strided
+(-1, out-of-range slots never written, float8 rounded as torch rounds), a float8 q (q_scale)
+rounded from the same float32 values as the data-dtype q, absent and strided
 output gradients, weight gradients independent of the thread count, and the x86 kernels
 agreeing bit for bit.
 """
@@ -21,7 +22,7 @@ import torch
 import rope_ops
 import rope_ops_backends.cpu_backend as cpu_backend
 from rope_ops._reference import prologue_reference
-from rope_ops.backend import PrologueArgs, prologue_backward_torch
+from rope_ops.backend import PrologueArgs, _float8_of, prologue_backward_torch
 from rope_ops.testing.checks import assert_bitwise_equal, assert_rope_close
 from rope_ops.testing.tolerances import ulp
 
@@ -235,6 +236,54 @@ def test_float8_cache_rounding_on_the_torch_backend():
     check_float8_cache("torch")
 
 
+@pytest.mark.skipif(FP8 is None, reason="no float8 in this torch")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(_CASES))
+def test_float8_q_is_float8_of_the_float32_q(isa, name, dtype):
+    """q_scale: q is the torch backend's float8 of the float32 q (what a float32 qkv of the same
+    values returns: the kernels compute in float32 from exact loads), bit for bit; k and v are
+    those of the call without q_scale. Each case out of place (a float8 q never is in place)."""
+    qkv, pos, api, _, _ = _inputs(name, dtype, seed=15)
+    before = qkv.clone()
+    with torch.inference_mode():
+        for q_scale in (0.25, 0.004, 1 / 3):
+            q8, k, v = rope_ops.qkv_prologue(qkv, pos, q_scale=q_scale, backend="cpu", **api)
+            _, k_plain, v_plain = rope_ops.qkv_prologue(qkv, pos, backend="cpu", **api)
+            q32, _, _ = rope_ops.qkv_prologue(qkv.float(), pos, backend="cpu", **api)
+            assert q8.dtype == FP8 and q8.shape == q32.shape and q8.is_contiguous()
+            assert_bitwise_equal(q8.view(torch.uint8), _float8_of(q32, q_scale).view(torch.uint8),
+                                 f"{isa} {name} float8 q, q_scale {q_scale}")
+            assert_bitwise_equal(k, k_plain, f"{isa} {name} k beside a float8 q")
+            assert_bitwise_equal(v, v_plain, f"{isa} {name} v beside a float8 q")
+    assert_bitwise_equal(qkv, before, "qkv after a float8 q")
+
+
+@pytest.mark.skipif(FP8 is None, reason="no float8 in this torch")
+def test_float8_q_rounding(isa):
+    """The float8 q's rounding of value / q_scale, bit for bit against the torch backend's
+    _float8_of: ties to even, subnormals, saturation at +-448 (infinities too), NaN stays NaN.
+    Neither norm nor rotation, so that q's float32 values are qkv's own."""
+    gen = torch.Generator().manual_seed(16)
+    bits = torch.randint(0, 1 << 16, (8 * 16 * 64,), generator=gen, dtype=torch.int32).to(torch.int16)
+    values = bits.view(torch.bfloat16).clone()
+    special = torch.tensor([448, 464, 472, 479.9, 480, -480, 2**-9, 2**-10, 3 * 2**-11, 0.0, -0.0,
+                            float("inf"), float("-inf"), float("nan"), 1 + 2**-4, 1 + 3 * 2**-4,
+                            -(2**-12), 15 * 2**-10, 1000.0, -1000.0])
+    values[: special.numel()] = special.to(torch.bfloat16)
+    tokens, d = 16, 64
+    for q_scale in (1.0, 2.0**-6, 2.0**9, 0.3):
+        for q in values.reshape(8, tokens, d):
+            qkv = torch.cat([q, torch.randn(tokens, 2 * d, generator=gen).bfloat16()], -1)
+            with torch.inference_mode():
+                got, _, _ = rope_ops.qkv_prologue(qkv, None, num_q_heads=1, num_kv_heads=1, head_dim=d,
+                                                  rotate=False, q_scale=q_scale, backend="cpu")
+            want = _float8_of(q.float(), q_scale)
+            is_nan = torch.isnan(q.float())
+            assert torch.equal(torch.isnan(got[:, 0].float()), is_nan), f"{isa} q_scale {q_scale}: NaN"
+            assert torch.equal(got[:, 0].view(torch.uint8)[~is_nan], want.view(torch.uint8)[~is_nan]), \
+                f"{isa} q_scale {q_scale}"
+
+
 def test_cache_through_the_api_paged_and_in_place(isa):
     """A paged cache [blocks, block_size, Hk, D] taken as its flat view, written by an in-place
     call: the rows hold the in-place k and the (untouched) v; -1 skips."""
@@ -339,7 +388,14 @@ def test_module_refuses_inconsistent_arguments(backend):
         (dict(layout="sbhd"), "thd or bshd"),
         (dict(k_cache=torch.zeros(4, 2, 128)), "needs v_cache and slots"),
         (dict(q_weight=torch.ones(3)), "q_weight must be"),
+        (dict(q_scale=0.5), "q_out must be a float8_e4m3fn CPU tensor"),
+        (dict(q_scale=-1.0), "q_scale must be"),
+        (dict(q_scale=1e-60), "q_scale must be"),  # 0 in float32
     ]
+    if FP8 is not None:
+        q8 = torch.zeros(args.q_out.shape, dtype=FP8)
+        bad += [(dict(q_out=q8), "q_out must be a CPU tensor of qkv's dtype"),
+                (dict(q_out=q8, q_scale=0.5, inplace=True), "q_scale must be")]
     for change, message in bad:
         before = args.q_out.clone()
         with pytest.raises(RuntimeError, match=message):
@@ -354,3 +410,6 @@ def test_supports_prologue_calls(backend):
     assert backend.supports(call) == []
     assert backend.supports(call._replace(cache_dtype=torch.bfloat16)) == []
     assert backend.supports(call._replace(cache_dtype=torch.float16)) != []
+    if FP8 is not None:
+        assert backend.supports(call._replace(q_out_dtype=FP8)) == []
+    assert backend.supports(call._replace(q_out_dtype=torch.float16)) != []

@@ -2,8 +2,8 @@
 
 The kernels run threads over tokens (at::parallel_for), rotate in float32 and round to the
 storage type once. The fused prologue (rope_ops.qkv_prologue: QKV split, per-head RMSNorm,
-rotation, KV-cache write in the data dtype or float8 e4m3) is one pass per token over its QKV
-row too, forward and backward; its norm weights' gradients are summed per chunk of tokens of a
+rotation, KV-cache write in the data dtype or float8 e4m3, q optionally as float8 e4m3) is one
+pass per token over its QKV row too, forward and backward; its norm weights' gradients are summed per chunk of tokens of a
 size the shape sets, then over the chunks in order, so they do not depend on the thread count. Each instruction set has its kernel: on x86-64 AVX-512 (with or without
 AVX512_BF16) and AVX2, chosen at run time from CPUID; everywhere else a portable one, plain loops
 the compiler vectorises. All are in one extension built for the baseline target, so one build
@@ -189,6 +189,7 @@ class CpuBackend(Backend):
     table_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
     supports_prologue = True
     prologue_cache_dtypes = frozenset(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
+    prologue_q_dtypes = prologue_cache_dtypes  # float8 q (q_scale), rounded as the cache is
 
     def availability(self) -> list[str]:
         return memoized_reasons(_state, _lock, build, "building the CPU extension failed")
