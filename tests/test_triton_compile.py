@@ -5,7 +5,7 @@ the compiler rejects. This compiles, for sm_90, the kernel variants the launch p
 PERF.md's workloads and for the classes of shape it has rules for (head_dim 80/96/112 in
 pieces, fp32, MQA, partial rotary in and out of place, bhsd, few-token decode), plus a few odd
 ones, the angle variants (per-token cos/sin, mRoPE) and the fused prologue's forward (QK-norm,
-KV-cache writes in bf16 and float8) and backward, and checks that q/k accesses of dense
+KV-cache writes in bf16 and float8, a float8 q) and backward, and checks that q/k accesses of dense
 bf16/fp16/fp32 heads are 16-byte vectors and that nothing spills. Runs in a subprocess without
 TRITON_INTERPRET (the variable changes what @triton.jit builds). ``python tests/test_triton_compile.py`` prints registers per variant.
 """
@@ -109,12 +109,15 @@ SCRIPT = textwrap.dedent(r'''
                           angles=angles, mrope_section=section, mrope_interleaved=style == "gptj")
 
     def prologue(T, hq, hk, D, R=None, style="neox", dtype=torch.bfloat16, norm=True,
-                 inplace=False, cache=None, batch=None, rotate=True, angles="table"):
-        """PrologueArgs of a [T, W] (or [batch, T / batch, W]) call: positions, float32 weights."""
+                 inplace=False, cache=None, batch=None, rotate=True, angles="table", q_scale=0.0):
+        """PrologueArgs of a [T, W] (or [batch, T / batch, W]) call: positions, float32 weights;
+        q_scale: q out in float8."""
         R = D if R is None else R
         lead = (T,) if batch is None else (batch, T // batch)
         qkv = torch.empty(*lead, (hq + 2 * hk) * D, dtype=dtype)
-        outs = [None if inplace else torch.empty(*lead, h, D, dtype=dtype) for h in (hq, hk, hk)]
+        outs = [None if inplace else torch.empty(*lead, h, D, dtype=t)
+                for h, t in ((hq, torch.float8_e4m3fn if q_scale else dtype), (hk, dtype),
+                             (hk, dtype))]
         kc = vc = slots = None
         if cache is not None:
             kc = torch.empty(4096, hk, D, dtype=cache)
@@ -139,7 +142,7 @@ SCRIPT = textwrap.dedent(r'''
             head_dim=D, rotary_dim=R, interleaved=style == "gptj", rotate=rotate, q_weight=w,
             k_weight=w, eps=1e-6, weight_offset=0.0, inplace=inplace, k_cache=kc, v_cache=vc,
             slots=slots, k_scale=1.0, v_scale=1.0, angles=angles, mrope_section=section,
-            mrope_interleaved=True)
+            mrope_interleaved=True, q_scale=q_scale)
 
     def compile_prologue(pargs, backward):
         """Compile the prologue variant run_prologue(_backward) would launch (the policy's
@@ -198,6 +201,9 @@ SCRIPT = textwrap.dedent(r'''
         "prologue decode fp8 cache gptj": (prologue(64, 32, 8, 128, style="gptj",
                                                     cache=torch.float8_e4m3fn), False, True),
         "prologue mRoPE interleaved": (prologue(4096, 32, 8, 128, angles="mrope"), False, True),
+        "prologue prefill fp8 q": (prologue(16384, 32, 8, 128, q_scale=0.5), False, True),
+        "prologue decode fp8 q and cache": (prologue(64, 32, 8, 128, cache=torch.float8_e4m3fn,
+                                                     q_scale=0.5), False, True),
         # bf16 rows: the [4, 64] row tile is one element per thread (2-byte loads)
         "prologue per-token bwd": (prologue(4096, 32, 8, 128, batch=2, angles="token"), True,
                                    False),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _float8_support import FP8, check_float8_cache
+from _float8_support import FP8, check_float8_cache, float8_saturating
 from _triton_support import DEVICE, INTERPRET, needs_device
 
 pytestmark = needs_device
@@ -39,7 +39,7 @@ class Case:
                  dtype=torch.bfloat16, q_norm=True, k_norm=True, offset=0.0, rotate=True,
                  angles="table", caller=False, inplace=False, cache=None, extra_cols=0,
                  section=(8, 8, 8), interleaved_mrope=False, weight_dtype=torch.float32,
-                 seed=0):
+                 q_scale=0.0, seed=0):
         R = D if R is None else R
         gen = torch.Generator().manual_seed(seed)
         width = (hq + 2 * hk) * D
@@ -89,8 +89,8 @@ class Case:
             self.slots = slots.reshape(lead).to(DEVICE)
             self.cache_before = (self.k_cache.clone(), self.v_cache.clone())
         scales = (0.5, 2.0) if cache is FP8 else (1.0, 1.0)
-        outs = [None if inplace else torch.empty(*lead, h, D, dtype=dtype, device=DEVICE)
-                for h in (hq, hk, hk)]
+        outs = [None if inplace else torch.empty(*lead, h, D, dtype=t, device=DEVICE)
+                for h, t in ((hq, FP8 if q_scale else dtype), (hk, dtype), (hk, dtype))]
         self.args = PrologueArgs(
             qkv=self.qkv, q_out=outs[0], k_out=outs[1], v_out=outs[2], pos=pos, pos_offset=0,
             cos=cos, sin=sin, freq_turns=turns, attention_factor=1.0, layout=layout,
@@ -99,7 +99,7 @@ class Case:
             eps=1e-6, weight_offset=offset, inplace=inplace, k_cache=self.k_cache,
             v_cache=self.v_cache, slots=self.slots, k_scale=scales[0], v_scale=scales[1],
             angles=angles, mrope_section=section if angles == "mrope" else None,
-            mrope_interleaved=interleaved_mrope)
+            mrope_interleaved=interleaved_mrope, q_scale=q_scale)
         self.ref_kw = dict(num_q_heads=hq, num_kv_heads=hk, head_dim=D, q_weight=self.q_w,
                            k_weight=self.k_w, eps=1e-6, weight_offset=offset, rotate=rotate,
                            rotary_dim=R, style=style, **ref_angles)
@@ -363,3 +363,74 @@ def test_float8_cache_rounding_saturates():
     """value / scale rounded to e4m3 bit for bit, saturating at +-448, NaN kept (on a GPU: the
     interpreter's float32 -> e4m3 conversion turns NaN into -256)."""
     check_float8_cache("triton", DEVICE, nan=not INTERPRET)
+
+
+# ---------------------------------------------------------------------------------------------
+# A float8 q (PrologueArgs.q_scale).
+
+Q_FP8_LABELS = ["walk t2 hq2 hk1 w1", "grid t1 hq2 hk1 w2"]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu().view(torch.uint8)
+
+
+@pytest.mark.skipif(FP8 is None, reason="no float8 in this torch")
+@pytest.mark.parametrize("q_scale", [0.25, 0.004], ids=["in_range", "saturating"])
+@pytest.mark.parametrize("label", Q_FP8_LABELS)
+def test_float8_q(label, q_scale):
+    """q stored as float8 of q / q_scale (one rounding, saturating at +-448) by the token walk
+    and the head grid; k, v and the float8 cache bit for bit as without q_scale."""
+    plain = Case(seed=11, lead=(7,), cache=FP8)
+    case = Case(seed=11, lead=(7,), cache=FP8, q_scale=q_scale)
+    run_forward(plain, label)
+    run_forward(case, label)
+    for got, want, name in ((case.args.k_out, plain.args.k_out, "k"),
+                            (case.args.v_out, plain.args.v_out, "v"),
+                            (case.k_cache, plain.k_cache, "k cache"),
+                            (case.v_cache, plain.v_cache, "v cache")):
+        assert torch.equal(_bits(got), _bits(want)), f"{label}: {name} beside a float8 q"
+    ref_q = prologue_reference(case.before, case.args.pos, **case.ref_kw)[0]
+    q8 = case.args.q_out
+    assert q8.dtype == FP8 and not torch.isnan(q8.cpu().float()).any()
+    got = q8.cpu().to(torch.float64)
+    want = (ref_q / q_scale).clamp(-448.0, 448.0)
+    # one rounding to e4m3 (3 mantissa bits): half an ulp, 2^-10 absolute below normals, plus
+    # the float32 math before it
+    bound = want.abs() * 2.0 ** -4 + 2.0 ** -9
+    assert ((got - want).abs() <= bound).all(), f"{label}: float8 q"
+    torch_bits = float8_saturating((ref_q / q_scale).to(torch.float32)).to(torch.float64)
+    assert (got != torch_bits).float().mean() < 0.01, f"{label}: float8 q rounding"
+    if q_scale < 0.01:
+        assert (got.abs() == 448.0).any(), f"{label}: nothing saturated"
+
+
+@pytest.mark.skipif(FP8 is None, reason="no float8 in this torch")
+@pytest.mark.parametrize("label", Q_FP8_LABELS)
+def test_float8_q_rounding_bit_for_bit(label):
+    """Without norm or rotation q is its input, so with scales of powers of two q / q_scale is
+    exact and its float8 is the cache's rounding bit for bit (float8_saturating): ties to even,
+    subnormals, saturation; NaN too on a GPU (the interpreter's conversion turns NaN into
+    -256)."""
+    gen = torch.Generator().manual_seed(12)
+    tokens, hq, d = 16, 2, 64
+    bits = torch.randint(0, 1 << 16, (tokens * hq * d,), generator=gen, dtype=torch.int32)
+    q = bits.to(torch.int16).view(torch.bfloat16).clone()
+    special = torch.tensor([448, 464, 472, 479.9, 480, -480, 2**-9, 2**-10, 3 * 2**-11, 0.0, -0.0,
+                            float("inf"), float("-inf"), float("nan"), 1 + 2**-4, 1 + 3 * 2**-4,
+                            -(2**-12), 15 * 2**-10, 1000.0, -1000.0])
+    q[: special.numel()] = special.to(torch.bfloat16)
+    q = q.reshape(tokens, hq * d)
+    is_nan = torch.isnan(q.float())
+    for scale in (1.0, 2.0 ** -6, 2.0 ** 9):
+        case = Case(seed=12, lead=(tokens,), hq=hq, hk=1, D=d, rotate=False, q_norm=False,
+                    k_norm=False, q_scale=scale)
+        qkv = torch.cat([q, torch.randn(tokens, 2 * d, generator=gen).bfloat16()], -1)
+        args = case.args._replace(qkv=qkv.to(DEVICE))
+        tp.run_prologue(args, label)
+        got = args.q_out.cpu().reshape(tokens, hq * d)
+        want = float8_saturating(q.float() / scale)
+        if not INTERPRET:
+            assert torch.equal(torch.isnan(got.float()), is_nan), f"{label}, scale {scale}: NaN"
+        assert torch.equal(got.view(torch.uint8)[~is_nan], want.view(torch.uint8)[~is_nan]), \
+            f"{label}, scale {scale}"

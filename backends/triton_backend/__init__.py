@@ -479,12 +479,13 @@ class TritonBackend(Backend):
     table_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset(
         {torch.float32, torch.float16, torch.bfloat16}
     )
-    # The fused prologue (prologue_kernels.py); float8 e4m3 caches where the GPU converts to it
-    # (compute capability 8.9 and later; see supports()).
+    # The fused prologue (prologue_kernels.py); float8 e4m3 caches and q (PrologueArgs.q_scale)
+    # where the GPU converts to it (compute capability 8.9 and later; see supports()).
     supports_prologue: ClassVar[bool] = True
     prologue_cache_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset(
         {d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None}
     )
+    prologue_q_dtypes: ClassVar[frozenset[torch.dtype]] = prologue_cache_dtypes
 
     def __init__(self) -> None:
         self._launches: dict = {}
@@ -516,10 +517,13 @@ class TritonBackend(Backend):
 
     def supports(self, call: RopeCall) -> list[str]:
         reasons = super().supports(call)
-        if (call.op == "prologue" and call.cache_dtype is not None
-                and call.cache_dtype in self.prologue_cache_dtypes and call.device_type == "cuda"
-                and not _INTERPRET and torch.cuda.get_device_capability() < (8, 9)):
-            reasons.append("float8 cache write needs compute capability 8.9 or later")
+        if call.op == "prologue" and call.device_type == "cuda" and not _INTERPRET:
+            fp8_cache = (call.cache_dtype is not None
+                         and call.cache_dtype in self.prologue_cache_dtypes)
+            fp8_q = call.q_out_dtype is not None and call.q_out_dtype in self.prologue_q_dtypes
+            if (fp8_cache or fp8_q) and torch.cuda.get_device_capability() < (8, 9):
+                reasons.append("float8 " + ("cache write" if fp8_cache else "q")
+                               + " needs compute capability 8.9 or later")
         return reasons
 
     # -- run ------------------------------------------------------------------------------

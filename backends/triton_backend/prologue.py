@@ -177,6 +177,10 @@ def forward_launch(args: PrologueArgs, label: str | None = None,
         n_slots = kc.shape[0]
         cache_ints = (kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
                       *_token_strides(slots))
+    # float8 q (out of place only): q / q_scale, converted exactly as the float8 cache is
+    q_fp8 = CACHE_NONE
+    if args.q_scale > 0:
+        q_fp8 = CACHE_SCALED_GRID if _INTERPRET else CACHE_SCALED
     angle_ptrs, angle_ints, angle_consts = _angle_arguments(args, heads[:, :, :hq])
     qw, s_qw, q_norm = _weight(args.q_weight, qkv)
     kw, s_kw, k_norm = _weight(args.k_weight, qkv)
@@ -192,9 +196,10 @@ def forward_launch(args: PrologueArgs, label: str | None = None,
         *out_strides[2],
         qw, kw, s_qw, s_kw, float(args.eps), float(args.weight_offset),
         kc, vc, slots, n_slots, *cache_ints, float(args.k_scale), float(args.v_scale),
+        float(args.q_scale) if q_fp8 else 1.0,
         *angle_ptrs, int(args.pos_offset), float(args.attention_factor), *angle_ints,
         hq, hk, d, r, bool(args.interleaved), _tok_split(batch, seq), bool(args.rotate),
-        *angle_consts, _kernels()["libdevice"], q_norm, k_norm, store_v, cache,
+        *angle_consts, _kernels()["libdevice"], q_norm, k_norm, store_v, cache, q_fp8,
         *prologue_pieces(r, d), cfg.head_grid, cfg.block_t, block_hq, block_hk)
     return PrologueLaunch(programs, cfg.num_warps, arguments, max_registers)
 

@@ -13,7 +13,7 @@ A head is held as the rope kernel's pieces (kernels.py): its rotary pairs in at 
 power-of-two pieces and the other dims in at most three; without rotation every dim is a
 "pass-through" piece (ROTARY_DIM 0). Everything is float32 from the load on and rounded once at
 each store (q, k out of place or into qkv, v copied exactly, the cache in its dtype, float8 as
-value / scale).
+value / scale; out of place, q too may be float8, q / q_scale rounded as the cache is).
 
 The backward (``prologue_backward_kernel``) recomputes each head's statistics from the saved
 input, rotates the output gradients back (the transpose: minus the angle), and writes the input
@@ -201,13 +201,16 @@ def _store_cache(xa, ya, xb, yb, pa, pb, pc, c_ptr, row_c, cmask, h0, n_heads, s
 
 @triton.jit
 def _finish_qk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, w_ptr, s_w, w_offset, eps, out_ptr,
-               row_out, so_h, tmask, h0, n_heads, c_ptr, row_c, sc_h, cmask, c_scale,
-               NORM: tl.constexpr, ROTATE: tl.constexpr, CACHE: tl.constexpr, BT: tl.constexpr,
+               row_out, so_h, tmask, h0, n_heads, c_ptr, row_c, sc_h, cmask, c_scale, o_scale,
+               NORM: tl.constexpr, ROTATE: tl.constexpr, CACHE: tl.constexpr,
+               OUT: tl.constexpr, BT: tl.constexpr,
                BH: tl.constexpr, HALF: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr,
                ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr,
                PASS_B: tl.constexpr, PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
     """A chunk of q or k heads: normalised (NORM; the weights loaded for each chunk: L1 hits),
-    rotated (ROTATE), stored, and written to the cache at its tokens' slots (k, CACHE)."""
+    rotated (ROTATE), stored (OUT: a CACHE kind, CACHE_NONE in the output's dtype, float8 as
+    value / o_scale rounded as the cache), and written to the cache at its tokens' slots (k,
+    CACHE)."""
     if NORM:
         wxa, wya, wxb, wyb, wpa, wpb, wpc = _weights(w_ptr, s_w, w_offset, HALF, ROT_A, ROT_B,
                                                      ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
@@ -232,9 +235,17 @@ def _finish_qk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, w_ptr, s_w, w_offset,
         xa, ya = _rotate_pairs(xa, ya, ca, sa)
         if ROT_B > 0:
             xb, yb = _rotate_pairs(xb, yb, cb, sb)
-    _store_chunk(xa, ya, xb, yb, pa, pb, pc, out_ptr, row_out, tmask, h0, n_heads, so_h, 1, BT,
-                 BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
-                 INTERLEAVED, True)
+    if OUT == CACHE_NONE:
+        _store_chunk(xa, ya, xb, yb, pa, pb, pc, out_ptr, row_out, tmask, h0, n_heads, so_h, 1,
+                     BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                     INTERLEAVED, True)
+    else:
+        _store_chunk(_divided(xa, o_scale, OUT), _divided(ya, o_scale, OUT),
+                     _divided(xb, o_scale, OUT), _divided(yb, o_scale, OUT),
+                     _divided(pa, o_scale, OUT), _divided(pb, o_scale, OUT),
+                     _divided(pc, o_scale, OUT), out_ptr, row_out, tmask, h0, n_heads, so_h, 1,
+                     BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                     INTERLEAVED, True)
     _store_cache(xa, ya, xb, yb, pa, pb, pc, c_ptr, row_c, cmask, h0, n_heads, sc_h, c_scale,
                  CACHE, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
                  INTERLEAVED)
@@ -291,6 +302,8 @@ def prologue_kernel(
     # the cache: [n_slots, HK, HEAD_DIM] each, a slot per token, scales (float8)
     kc_ptr, vc_ptr, slot_ptr, n_slots, skc_n, skc_h, svc_n, svc_h, ssl_b, ssl_s, k_scale,
     v_scale,
+    # float8 q (Q_FP8): q_out holds q / q_scale
+    q_scale,
     # the angle source, as rope_kernel's
     pos_ptr, cos_ptr, sin_ptr, turns_ptr, pos_offset, attn_factor, n_rows, sp_b, sp_s,
     sc_row, ss_row, sp_a, sc_b, ss_b,
@@ -301,6 +314,8 @@ def prologue_kernel(
     MROPE_S1: tl.constexpr, MROPE_S2: tl.constexpr, MROPE_INTERLEAVED: tl.constexpr,
     LIBDEVICE: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr, STORE_V: tl.constexpr,
     CACHE: tl.constexpr,
+    # q's store: CACHE_NONE (q_out's dtype) or a float8 CACHE kind, rounded as the cache is
+    Q_FP8: tl.constexpr,
     # pieces (ROTARY_DIM 0 without rotation: all dims pass-through pieces)
     ROT_A: tl.constexpr, ROT_B: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
     PASS_C: tl.constexpr,
@@ -336,20 +351,20 @@ def prologue_kernel(
     if HEAD_GRID:
         if ci < NQC:
             _grid_qk(0, x_ptr, row_x, qo_ptr, row_qo, sqo_h, tmask, ci * BLOCK_HQ, HQ, qw_ptr,
-                     s_qw, w_offset, eps, kc_ptr, row_kc, skc_h, cmask, k_scale, pos_ptr,
-                     cos_ptr, sin_ptr, turns_ptr, b, sq, sp_a, sp_b, sp_s, pos_offset, n_rows,
-                     sc_b, sc_row, ss_b, ss_row, attn_factor, Q_NORM, ROTATE, CACHE_NONE,
-                     ANGLES, HAS_POS, HAS_TURNS, MROPE_S1, MROPE_S2, MROPE_INTERLEAVED, LIBDEVICE,
-                     BLOCK_T, BLOCK_HQ, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
-                     PASS_C, INTERLEAVED)
+                     s_qw, w_offset, eps, kc_ptr, row_kc, skc_h, cmask, k_scale, q_scale,
+                     pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, sp_a, sp_b, sp_s, pos_offset,
+                     n_rows, sc_b, sc_row, ss_b, ss_row, attn_factor, Q_NORM, ROTATE, CACHE_NONE,
+                     Q_FP8, ANGLES, HAS_POS, HAS_TURNS, MROPE_S1, MROPE_S2, MROPE_INTERLEAVED,
+                     LIBDEVICE, BLOCK_T, BLOCK_HQ, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM,
+                     PASS_A, PASS_B, PASS_C, INTERLEAVED)
         elif ci < NQC + NKC:
             _grid_qk(HQ * HEAD_DIM, x_ptr, row_x, ko_ptr, row_ko, sko_h, tmask,
                      (ci - NQC) * BLOCK_HK, HK, kw_ptr, s_kw, w_offset, eps, kc_ptr, row_kc,
-                     skc_h, cmask, k_scale, pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, sp_a,
-                     sp_b, sp_s, pos_offset, n_rows, sc_b, sc_row, ss_b, ss_row, attn_factor,
-                     K_NORM, ROTATE, CACHE, ANGLES, HAS_POS, HAS_TURNS, MROPE_S1, MROPE_S2,
-                     MROPE_INTERLEAVED, LIBDEVICE, BLOCK_T, BLOCK_HK, HALF, ROT_A, ROT_B,
-                     ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
+                     skc_h, cmask, k_scale, q_scale, pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq,
+                     sp_a, sp_b, sp_s, pos_offset, n_rows, sc_b, sc_row, ss_b, ss_row,
+                     attn_factor, K_NORM, ROTATE, CACHE, CACHE_NONE, ANGLES, HAS_POS, HAS_TURNS,
+                     MROPE_S1, MROPE_S2, MROPE_INTERLEAVED, LIBDEVICE, BLOCK_T, BLOCK_HK, HALF,
+                     ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
         else:
             h0 = (ci - NQC - NKC) * BLOCK_HK
             xa, ya, xb, yb, pa, pb, pc = _load_chunk(
@@ -383,13 +398,15 @@ def prologue_kernel(
         if ci < NQC:
             _finish_qk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, qw_ptr, s_qw, w_offset, eps,
                        qo_ptr, row_qo, sqo_h, tmask, ci * BLOCK_HQ, HQ, kc_ptr, row_kc, skc_h,
-                       cmask, k_scale, Q_NORM, ROTATE, CACHE_NONE, BLOCK_T, BLOCK_HQ, HALF,
-                       ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
+                       cmask, k_scale, q_scale, Q_NORM, ROTATE, CACHE_NONE, Q_FP8, BLOCK_T,
+                       BLOCK_HQ, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                       INTERLEAVED)
         elif ci < NQC + NKC:
             _finish_qk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, kw_ptr, s_kw, w_offset, eps,
                        ko_ptr, row_ko, sko_h, tmask, (ci - NQC) * BLOCK_HK, HK, kc_ptr, row_kc,
-                       skc_h, cmask, k_scale, K_NORM, ROTATE, CACHE, BLOCK_T, BLOCK_HK, HALF,
-                       ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
+                       skc_h, cmask, k_scale, q_scale, K_NORM, ROTATE, CACHE, CACHE_NONE,
+                       BLOCK_T, BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A,
+                       PASS_B, PASS_C, INTERLEAVED)
         else:
             _finish_v(xa, ya, xb, yb, pa, pb, pc, vo_ptr, row_vo, svo_h, tmask,
                       (ci - NQC - NKC) * BLOCK_HK, HK, vc_ptr, row_vc, svc_h, cmask, v_scale,
@@ -401,10 +418,10 @@ def prologue_kernel(
 
 @triton.jit
 def _grid_qk(head_offset: tl.constexpr, x_ptr, row_x, out_ptr, row_out, so_h, tmask, h0,
-             n_heads, w_ptr, s_w, w_offset, eps, c_ptr, row_c, sc_h, cmask, c_scale, pos_ptr,
-             cos_ptr, sin_ptr, turns_ptr, b, sq, sp_a, sp_b, sp_s, pos_offset, n_rows, sc_b,
-             sc_row, ss_b, ss_row, attn_factor, NORM: tl.constexpr, ROTATE: tl.constexpr,
-             CACHE: tl.constexpr, ANGLES: tl.constexpr, HAS_POS: tl.constexpr,
+             n_heads, w_ptr, s_w, w_offset, eps, c_ptr, row_c, sc_h, cmask, c_scale, o_scale,
+             pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, sp_a, sp_b, sp_s, pos_offset, n_rows,
+             sc_b, sc_row, ss_b, ss_row, attn_factor, NORM: tl.constexpr, ROTATE: tl.constexpr,
+             CACHE: tl.constexpr, OUT: tl.constexpr, ANGLES: tl.constexpr, HAS_POS: tl.constexpr,
              HAS_TURNS: tl.constexpr, MROPE_S1: tl.constexpr, MROPE_S2: tl.constexpr,
              MROPE_INTERLEAVED: tl.constexpr, LIBDEVICE: tl.constexpr, BT: tl.constexpr,
              BH: tl.constexpr, HALF: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr,
@@ -421,9 +438,9 @@ def _grid_qk(head_offset: tl.constexpr, x_ptr, row_x, out_ptr, row_out, so_h, tm
                                  attn_factor, ANGLES, HALF, ROT_A, ROT_B, HAS_POS, HAS_TURNS,
                                  MROPE_S1, MROPE_S2, MROPE_INTERLEAVED, LIBDEVICE, False)
     _finish_qk(xa, ya, xb, yb, pa, pb, pc, ca, sa, cb, sb, w_ptr, s_w, w_offset, eps, out_ptr,
-               row_out, so_h, tmask, h0, n_heads, c_ptr, row_c, sc_h, cmask, c_scale, NORM,
-               ROTATE, CACHE, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
-               PASS_C, INTERLEAVED)
+               row_out, so_h, tmask, h0, n_heads, c_ptr, row_c, sc_h, cmask, c_scale, o_scale,
+               NORM, ROTATE, CACHE, OUT, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A,
+               PASS_B, PASS_C, INTERLEAVED)
 
 
 # ---------------------------------------------------------------------------------------------
