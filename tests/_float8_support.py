@@ -18,17 +18,24 @@ def float8_saturating(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-448.0, 448.0).to(FP8)
 
 
-def check_float8_cache(backend_name: str, device: str = "cpu", nan: bool = True) -> None:
-    """v / scale rounded to e4m3 bit for bit as float8_saturating rounds it (scales of powers of
-    two keep the division exact): ties to even, subnormals, saturation, and NaN unless ``nan`` is
-    False (then NaN inputs are not compared)."""
-    gen = torch.Generator().manual_seed(6)
+def float8_test_values(gen: torch.Generator) -> torch.Tensor:
+    """8 * 16 * 64 bfloat16 values of random bits, led by e4m3's hard cases: ties, the
+    saturation threshold, subnormals, signed zeros, infinities, NaN."""
     bits = torch.randint(0, 1 << 16, (8 * 16 * 64,), generator=gen, dtype=torch.int32).to(torch.int16)
     values = bits.view(torch.bfloat16).clone()
     special = torch.tensor([448, 464, 472, 479.9, 480, -480, 2**-9, 2**-10, 3 * 2**-11, 0.0, -0.0,
                             float("inf"), float("-inf"), float("nan"), 1 + 2**-4, 1 + 3 * 2**-4,
                             -(2**-12), 15 * 2**-10, 1000.0, -1000.0])
     values[: special.numel()] = special.to(torch.bfloat16)
+    return values
+
+
+def check_float8_cache(backend_name: str, device: str = "cpu", nan: bool = True) -> None:
+    """v / scale rounded to e4m3 bit for bit as float8_saturating rounds it (scales of powers of
+    two keep the division exact): ties to even, subnormals, saturation, and NaN unless ``nan`` is
+    False (then NaN inputs are not compared)."""
+    gen = torch.Generator().manual_seed(6)
+    values = float8_test_values(gen)
     tokens, d = 16, 64
     for scale in (1.0, 2.0**-6, 2.0**9):
         for v in values.reshape(8, tokens, d):

@@ -27,7 +27,7 @@ from rope_ops.testing.checks import assert_bitwise_equal, assert_rope_close
 from rope_ops.testing.tolerances import ulp
 
 from _cpu_support import backend, isa  # noqa: F401  (fixtures)
-from _float8_support import check_float8_cache
+from _float8_support import check_float8_cache, float8_test_values
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -264,12 +264,7 @@ def test_float8_q_rounding(isa):
     _float8_of: ties to even, subnormals, saturation at +-448 (infinities too), NaN stays NaN.
     Neither norm nor rotation, so that q's float32 values are qkv's own."""
     gen = torch.Generator().manual_seed(16)
-    bits = torch.randint(0, 1 << 16, (8 * 16 * 64,), generator=gen, dtype=torch.int32).to(torch.int16)
-    values = bits.view(torch.bfloat16).clone()
-    special = torch.tensor([448, 464, 472, 479.9, 480, -480, 2**-9, 2**-10, 3 * 2**-11, 0.0, -0.0,
-                            float("inf"), float("-inf"), float("nan"), 1 + 2**-4, 1 + 3 * 2**-4,
-                            -(2**-12), 15 * 2**-10, 1000.0, -1000.0])
-    values[: special.numel()] = special.to(torch.bfloat16)
+    values = float8_test_values(gen)
     tokens, d = 16, 64
     for q_scale in (1.0, 2.0**-6, 2.0**9, 0.3):
         for q in values.reshape(8, tokens, d):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _float8_support import FP8, check_float8_cache, float8_saturating
+from _float8_support import FP8, check_float8_cache, float8_saturating, float8_test_values
 from _triton_support import DEVICE, INTERPRET, needs_device
 
 pytestmark = needs_device
@@ -414,13 +414,7 @@ def test_float8_q_rounding_bit_for_bit(label):
     -256)."""
     gen = torch.Generator().manual_seed(12)
     tokens, hq, d = 16, 2, 64
-    bits = torch.randint(0, 1 << 16, (tokens * hq * d,), generator=gen, dtype=torch.int32)
-    q = bits.to(torch.int16).view(torch.bfloat16).clone()
-    special = torch.tensor([448, 464, 472, 479.9, 480, -480, 2**-9, 2**-10, 3 * 2**-11, 0.0, -0.0,
-                            float("inf"), float("-inf"), float("nan"), 1 + 2**-4, 1 + 3 * 2**-4,
-                            -(2**-12), 15 * 2**-10, 1000.0, -1000.0])
-    q[: special.numel()] = special.to(torch.bfloat16)
-    q = q.reshape(tokens, hq * d)
+    q = float8_test_values(gen)[: tokens * hq * d].reshape(tokens, hq * d)
     is_nan = torch.isnan(q.float())
     for scale in (1.0, 2.0 ** -6, 2.0 ** 9):
         case = Case(seed=12, lead=(tokens,), hq=hq, hk=1, D=d, rotate=False, q_norm=False,
