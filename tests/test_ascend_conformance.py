@@ -4,7 +4,7 @@ The backend is routed to CPU tensors (fakes.CpuRoutedAscendBackend) with a fake 
 class restricts the tiers (ROPE_OPS_ASCEND_TIERS):
 * TestAscendKernelTierOnCpu: the kernel tier runs the shipped host glue (ascend_kernels/rope_host.cpp,
   built for the CPU by tests/ascend/host_glue: every launch's tiling checked against the Python
-  mirror) and the shipped Ascend C kernels compiled for the CPU (tests/ascend/cpu_sim); calls the kernels cannot take (float64, a float8 KV cache) fall to the
+  mirror) and the shipped Ascend C kernels compiled for the CPU (tests/ascend/cpu_sim); calls the kernels cannot take (float64, a float8 KV cache or q) fall to the
   torch tier. The variant and prologue tests must be served by the kernels alone.
 * TestAscendRotaryMulTierOnCpu: the npu_rotary_mul tier with the documented-semantics fake.
 Everything goes through rope_ops.apply: validation, selection, autograd, in place, torch.compile.

@@ -10,6 +10,8 @@ checks that the intended tier served it:
   it; version counters moved (autograd sees the write); views of a tensor that requires grad
   (packed QKV in training) with the right gradients;
 * q without heads and k with some (k alone is rotated);
+* the prologue's float8 q (q_scale) and float8 cache on the torch tier (the kernels write neither),
+  bit for bit as rope_ops.backend._float8_of of the float32 q;
 * configuration errors and refusals are BackendError / reasons, raised before anything is
   written; availability() never raises or hangs, whatever `import torch_npu` does.
 """
@@ -29,13 +31,14 @@ import torch
 
 import rope_ops
 from rope_ops import BackendError, RopeError, registry
-from rope_ops._reference import rope_reference
-from rope_ops.backend import KernelArgs
+from rope_ops._reference import prologue_reference, rope_reference
+from rope_ops.backend import KernelArgs, _float8_of
 from rope_ops.frequencies import compute_inv_freq, cos_sin_table, freq_turns_of, reduced_angle
 from rope_ops.testing.checks import assert_rope_close
 from rope_ops_backends import ascend_backend as ab
 from rope_ops_backends.torch_backend import TorchBackend
 
+from _float8_support import float8_saturating, float8_test_values
 from ascend import fakes
 
 TIERS = {"kernels": "kernels,torch", "npu_rotary_mul": "npu_rotary_mul,torch", "torch": "torch"}
@@ -392,3 +395,143 @@ def test_prologue_tiers(monkeypatch):
                 rope_ops.qkv_prologue(qkv, pos, kv_cache=fp8, slots=slots, cache_scales=(1.0, 1.0), inplace=True,
                                       **kw)
             assert torch.equal(qkv, before[0]) and torch.equal(fp8[0].view(torch.uint8), before[1])
+
+
+def _fp8_prologue_inputs(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(7)
+    hq, hk, d = 4, 2, 32
+    qkv = (torch.randn(9, (hq + 2 * hk) * d, generator=gen) * 3).to(dtype)
+    pos = torch.randint(0, 40, (9,), generator=gen)
+    w = (torch.randn(d, generator=gen) * 0.5 + 1.0, torch.randn(d, generator=gen) * 0.5 + 1.0)
+    kw = dict(num_q_heads=hq, num_kv_heads=hk, head_dim=d, q_norm=w[0], k_norm=w[1], backend="ascend")
+    rope = rope_ops.RotaryEmbedding(d, max_position=64)
+    ref_kw = dict(num_q_heads=hq, num_kv_heads=hk, head_dim=d, q_weight=w[0], k_weight=w[1], eps=1e-6,
+                  weight_offset=0.0, rotate=True, rotary_dim=d, style="neox", inv_freq=rope.inv_freq)
+    return qkv, pos, kw, ref_kw, rope
+
+
+def _fp8_caches(hk=2, d=32, slots=20):
+    gen = torch.Generator().manual_seed(8)
+    return tuple(torch.randn(slots, hk, d, generator=gen).to(torch.float8_e4m3fn) for _ in range(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("q_scale", [0.25, 0.004], ids=["in_range", "saturating"])
+def test_prologue_float8_q(monkeypatch, dtype, q_scale):
+    """q_scale: the torch tier writes q as float8 of q / q_scale (the kernels write q in qkv's
+    dtype only, as they do the caches): within one e4m3 rounding of the float64 reference,
+    saturating at +-448; bit for bit _float8_of of the float32 q (the torch tier's, and the
+    kernels' where their float32 q equals it); k, v and a float8 cache as without q_scale."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("no float8 in this torch")
+    backend = _routed(monkeypatch, "kernels,torch", with_kernels=True)
+    qkv, pos, kw, ref_kw, rope = _fp8_prologue_inputs(dtype)
+    slots = torch.tensor([3, -1, 0, 19, 8, 7, 11, 5, 2])
+    with registry.override({"ascend": backend, "torch": TorchBackend()}), torch.inference_mode():
+        q_kernels, k_kernels, v_kernels = rope_ops.qkv_prologue(qkv, pos, rope=rope, **kw)
+        assert backend.last_tier == "kernels", backend.last_reasons
+        q8, k, v = rope_ops.qkv_prologue(qkv, pos, rope=rope, q_scale=q_scale, **kw)
+        assert backend.last_tier == "torch"
+        assert backend.last_reasons["kernels"] == [
+            f"kernels: q output of dtype torch.float8_e4m3fn (the kernels write q in qkv's dtype {dtype})"]
+        plain_caches, fp8_caches = _fp8_caches(), _fp8_caches()
+        _, k_c, v_c = rope_ops.qkv_prologue(qkv, pos, rope=rope, kv_cache=plain_caches, slots=slots,
+                                            cache_scales=(0.5, 2.0), **kw)
+        q8c, k8c, v8c = rope_ops.qkv_prologue(qkv, pos, rope=rope, q_scale=q_scale, kv_cache=fp8_caches,
+                                              slots=slots, cache_scales=(0.5, 2.0), **kw)
+        assert backend.last_tier == "torch" and len(backend.last_reasons["kernels"]) == 2, backend.last_reasons
+        monkeypatch.setenv("ROPE_OPS_ASCEND_TIERS", "torch")
+        q_torch, k_torch, v_torch = rope_ops.qkv_prologue(qkv, pos, rope=rope, **kw)
+        q32, _, _ = rope_ops.qkv_prologue(qkv.float(), pos, rope=rope, **kw)
+    assert q8.dtype == torch.float8_e4m3fn and q8.shape == q_kernels.shape and q8.is_contiguous()
+    # k and v: those of the same call without q_scale on the same (torch) tier; v exact on both
+    for got, want, name in ((k, k_torch, "k"), (v, v_torch, "v"), (v, v_kernels, "v"), (k8c, k_c, "k, cache"),
+                            (v8c, v_c, "v, cache")):
+        assert torch.equal(got, want), name
+    for got, want in zip(fp8_caches, plain_caches):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), "float8 cache beside a float8 q"
+    assert torch.equal(q8c.view(torch.uint8), q8.view(torch.uint8)), "float8 q with a cache write"
+    # One rounding of the float32 math (in float32 for a bf16 qkv too) to e4m3
+    if dtype == torch.float32:
+        assert torch.equal(q_torch, q32)
+    assert torch.equal(q8.view(torch.uint8), _float8_of(q32, q_scale).view(torch.uint8))
+    if dtype == torch.float32:  # the kernels' float32 q where it equals torch's, bit for bit
+        same = q_kernels == q32
+        assert same.float().mean() > 0.5
+        assert torch.equal(q8.view(torch.uint8)[same], _float8_of(q_kernels, q_scale).view(torch.uint8)[same])
+    rq, _, _ = prologue_reference(qkv, pos, **ref_kw)
+    got = q8.to(torch.float64)
+    want = (rq / q_scale).clamp(-448.0, 448.0)
+    bound = want.abs() * 2.0**-4 + 2.0**-9  # half an e4m3 ulp (3 mantissa bits), plus the float32 math
+    assert ((got - want).abs() <= bound).all(), f"float8 q: worst {(got - want).abs().max():.3g}"
+    assert not torch.isnan(got).any()
+    assert (got.abs() == 448.0).any() == (q_scale < 0.01), "saturation at +-448 exactly when past it"
+
+
+def test_prologue_float8_q_rounding_cases(monkeypatch):
+    """e4m3's hard cases (ties, subnormals, the saturation threshold, infinities, NaN) in q, bit
+    for bit as the float8 cache rounds them, for scales that keep the division exact."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("no float8 in this torch")
+    backend = _routed(monkeypatch, "kernels,torch", with_kernels=True)
+    gen = torch.Generator().manual_seed(9)
+    values = float8_test_values(gen).float().reshape(-1, 2, 64)
+    qkv = torch.cat([values.flatten(1), torch.randn(values.shape[0], 2 * 64, generator=gen)], -1)
+    with registry.override({"ascend": backend, "torch": TorchBackend()}), torch.inference_mode():
+        for scale in (1.0, 2.0**-6, 2.0**9):
+            q8, _, _ = rope_ops.qkv_prologue(qkv, None, num_q_heads=2, num_kv_heads=1, head_dim=64, rotate=False,
+                                             q_scale=scale, backend="ascend")
+            assert backend.last_tier == "torch", backend.last_reasons
+            want = float8_saturating(values / scale)
+            nan = torch.isnan(values)
+            assert torch.equal(torch.isnan(q8.float()), nan), f"scale {scale}: NaN"
+            assert torch.equal(q8.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan]), f"scale {scale}"
+
+
+@pytest.mark.parametrize("only", ["kernels", "npu_rotary_mul"])
+def test_prologue_float8_q_refused_without_the_torch_tier(monkeypatch, only):
+    """Without the torch tier a float8 q is refused by metadata, saying what the tiers lack, and
+    nothing (qkv, caches) is written."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("no float8 in this torch")
+    backend = _routed(monkeypatch, only, with_kernels=only == "kernels")
+    qkv, pos, kw, _, rope = _fp8_prologue_inputs()
+    call_caches = tuple(torch.zeros(20, 2, 32) for _ in range(2))
+    slots = torch.arange(9)
+    want = ("kernels: q output of dtype torch.float8_e4m3fn" if only == "kernels"
+            else "npu_rotary_mul: no fused prologue")
+    with registry.override({"ascend": backend, "torch": TorchBackend()}), torch.inference_mode():
+        if only == "kernels":  # the same call without q_scale: the kernels take it
+            rope_ops.qkv_prologue(qkv, pos, rope=rope, kv_cache=call_caches, slots=slots, **kw)
+            assert backend.last_tier == "kernels", backend.last_reasons
+        before = qkv.clone(), [c.clone() for c in call_caches]
+        with pytest.raises(BackendError, match=want):
+            rope_ops.qkv_prologue(qkv, pos, rope=rope, q_scale=0.5, kv_cache=call_caches, slots=slots, **kw)
+    assert torch.equal(qkv, before[0]) and all(torch.equal(c, b) for c, b in zip(call_caches, before[1]))
+
+
+def test_prologue_reasons_name_the_float8_q():
+    """The kernel tier's per-call reasons: a float8 q_out is named as such (not as an unsupported
+    qkv dtype), beside a float8 cache's own reason; the backward is unaffected."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("no float8 in this torch")
+    from rope_ops.backend import PrologueArgs
+    from rope_ops_backends.ascend_backend import _kernel_call as kc
+
+    qkv, pos, _, _, rope = _fp8_prologue_inputs(torch.bfloat16)
+    cos, sin = cos_sin_table(rope.inv_freq, 1.0, 64)
+    outs = [torch.empty(9, h, 32, dtype=dt) for h, dt in ((4, torch.float8_e4m3fn), (2, torch.bfloat16),
+                                                         (2, torch.bfloat16))]
+    args = PrologueArgs(qkv, *outs, pos, 0, cos, sin, freq_turns_of(rope.inv_freq), 1.0, "thd", 4, 2, 32, 32,
+                        False, True, None, None, 1e-6, 0.0, False, None, None, None, 1.0, 1.0, q_scale=0.5)
+    q_why = "kernels: q output of dtype torch.float8_e4m3fn (the kernels write q in qkv's dtype torch.bfloat16)"
+    assert kc.prologue_reasons(kc.prologue_views(args), False, 196608, 4) == [q_why]
+    caches = _fp8_caches()
+    with_cache = args._replace(k_cache=caches[0], v_cache=caches[1], slots=torch.arange(9))
+    assert kc.prologue_reasons(kc.prologue_views(with_cache), False, 196608, 4) == [
+        q_why, "kernels: KV cache of dtype torch.float8_e4m3fn (the kernels write torch.bfloat16 caches)"]
+    plain = args._replace(q_out=torch.empty(9, 4, 32, dtype=torch.bfloat16), q_scale=0.0)
+    assert kc.prologue_reasons(kc.prologue_views(plain), False, 196608, 4) == []
+    grads = [torch.randn(9, h, 32).bfloat16() for h in (4, 2, 2)]
+    grad_views = kc.prologue_grad_views(plain, torch.empty_like(qkv), *grads)
+    assert kc.prologue_reasons(grad_views, True, 196608, 4) == []

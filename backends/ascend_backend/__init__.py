@@ -5,7 +5,7 @@
    ``qkv_prologue[_grad]``. Any layout, strides (stride 1 on head_dim), GQA, partial rotary, in
    place, any position (out-of-table rows computed on the fly in the kernel), one launch for q and
    k; every angle source (tables by position, row-strided and fp16/bf16 included; cos/sin per
-   token; mRoPE) and the fused prologue (KV caches in qkv's dtype).
+   token; mRoPE) and the fused prologue (q and KV caches in qkv's dtype).
 2. ``npu_rotary_mul``: ``torch_npu.npu_rotary_mul`` (CANN's fused RotaryPositionEmbedding), only
    for rotations inside its documented limits (limits.py, checked in Python first). rope_ops builds
    per-token cos/sin rows (``cos_sin_rows``: never reads outside the table), expands them to the
@@ -20,7 +20,7 @@
    once x is passed), and rope_ops' autograd never needs dcos/dsin. It has no prologue.
 3. ``torch``: the pure-torch backend's ``run`` on the npu device (always possible), and the
    prologue in torch ops (``prologue_forward_torch`` / ``prologue_backward_torch``), e.g. for a
-   float8 KV cache.
+   float8 KV cache or a float8 q (q_scale).
 
 Importing this module imports neither torch_npu nor any kernel library; ``availability()`` does,
 once, in a worker thread bounded by ``ROPE_OPS_ASCEND_PROBE_TIMEOUT``: whatever the import or the
@@ -233,9 +233,10 @@ class AscendBackend(Backend):
     # npu_rotary_mul and torch tiers (their cos/sin rows come from rope_ops.backend.cos_sin_rows).
     angle_kinds = frozenset({"table", "token", "mrope"})
     table_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
-    # The fused prologue: the kernels (caches in qkv's dtype) or the torch tier (float8 too).
+    # The fused prologue: the kernels (q and caches in qkv's dtype) or the torch tier (float8 too).
     supports_prologue = True
     prologue_cache_dtypes = frozenset(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
+    prologue_q_dtypes = prologue_cache_dtypes  # float8 q (q_scale): the torch tier, as the float8 cache
 
     def __init__(self):
         self._env: _Env | None = None
@@ -363,6 +364,8 @@ class AscendBackend(Backend):
             kernel_why = kc.call_reasons(call.angles, call.table_dtype)
             if call.op == "prologue" and call.cache_dtype not in (None, call.dtype):
                 kernel_why.append(f"kernels: KV cache of dtype {call.cache_dtype}")
+            if call.op == "prologue" and call.q_out_dtype is not None:
+                kernel_why.append(f"kernels: q output of dtype {call.q_out_dtype} (the kernels write q in qkv's dtype)")
             if env.kernel_ops is None:
                 why.append(f"kernels: {env.kernel_status}")
             elif not call.last_dim_contiguous:

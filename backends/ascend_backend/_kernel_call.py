@@ -287,8 +287,10 @@ def kernel_reasons(v: KernelViews, inverse: bool, ub_size: int, core_num: int) -
 
 def prologue_reasons(v: PrologueViews, grad: bool, ub_size: int, core_num: int) -> list[str]:
     """Why the prologue kernels cannot take this call (metadata only); empty: they can."""
-    dtype = v.q_out.dtype
+    dtype = v.k_out.dtype  # qkv's: k heads of the output (forward) or of grad_qkv (backward)
     reasons = _dtype_reasons(dtype)
+    if v.q_out.dtype != dtype:
+        reasons.append(f"kernels: q output of dtype {v.q_out.dtype} (the kernels write q in qkv's dtype {dtype})")
     if v.k_cache is not None and (v.k_cache.dtype != dtype or v.v_cache.dtype != dtype):
         reasons.append(f"kernels: KV cache of dtype {v.k_cache.dtype} (the kernels write {dtype} caches)")
     for name, t in (("grad_q", v.q), ("grad_k", v.k), ("grad_v", v.v)):
