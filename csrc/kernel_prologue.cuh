@@ -21,6 +21,8 @@
 // caller in a fixed order: deterministic).
 #pragma once
 
+#include <float.h>
+
 #include <cuda_fp8.h>
 
 #include "angle_sources.cuh"
@@ -57,7 +59,7 @@ struct Elems {
   }
 };
 
-// float8 e4m3 of x, saturating to +-448; NaN stays NaN (SPEC: float8 cache).
+// float8 e4m3 of x, saturating to +-448; NaN stays NaN (SPEC: float8 cache and q).
 ROPE_HD uint8_t e4m3_of(float x) {
   return (uint8_t)__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
 }
@@ -287,7 +289,16 @@ struct PrologueLane {
       for (int k = 0; k < U; ++k)
         if (unit(sh, k) < sh.n_rot) Units::rotate(v[k], c[k], sn[k]);
     }
-    if (kind < 2 || !p.inplace) {
+    // a float8 q: never in place (prologue_params_ok); its element strides are bytes
+    if (kind == 0 && p.q_scale > 0.f) {
+      uint8_t* dst = static_cast<uint8_t*>(p.out[0]) + b * p.out_stride[0][0] + s * p.out_stride[0][1] +
+                     head * p.out_stride[0][2];
+#pragma unroll
+      for (int k = 0; k < U; ++k) {
+        const int u = unit(sh, k);
+        if (u < sh.n_units) Units::store_e4m3_unit(dst, sh, R, u, v[k], p.q_scale);
+      }
+    } else if (kind < 2 || !p.inplace) {
       T* dst = p.inplace ? static_cast<T*>(const_cast<void*>(p.qkv)) + b * p.qkv_stride_b +
                                s * p.qkv_stride_s + (int64_t)r * p.rope.D
                          : static_cast<T*>(p.out[kind]) + b * p.out_stride[kind][0] +
@@ -514,6 +525,8 @@ inline bool prologue_params_ok(const RopePrologueParams& p) {
   if (r.B < 0 || r.S < 0 || p.Hq < 1 || p.Hk < 1 || r.D < 1) return false;
   if (r.R < 0 || (r.R & 1) || r.R > r.D) return false;
   if ((p.Hq + 2 * p.Hk) * r.D >= (int64_t(1) << 31)) return false;
+  // q_scale: 0 (q of qkv's dtype), or a finite positive float32 for a float8 q out of place
+  if (!(p.q_scale >= 0.f && p.q_scale <= FLT_MAX) || (p.q_scale > 0.f && p.inplace)) return false;
   if (r.angle_kind != ROPE_ANGLES_TABLE) return false;  // built for position tables only
   if (r.B == 0 || r.S == 0) return true;
   if (p.qkv == nullptr) return false;
@@ -545,8 +558,10 @@ inline bool prologue_vectors_fit(const RopePrologueParams& p, bool backward) {
   if (!fits(p.qkv, qkv_st, 2, 16, elem)) return false;
   if (!backward) {
     if (!p.inplace)
-      for (int t = 0; t < 3; ++t)
-        if (!fits(p.out[t], p.out_stride[t], 3, 16, elem)) return false;
+      for (int t = 0; t < 3; ++t) {
+        const int64_t oe = t == 0 && p.q_scale > 0.f ? 1 : elem;  // float8 q: E-byte vectors
+        if (!fits(p.out[t], p.out_stride[t], 3, E * oe, oe)) return false;
+      }
     if (p.k_cache != nullptr) {
       const int64_t ce = p.cache_fp8 ? 1 : elem;
       if (!fits(p.k_cache, p.k_cache_stride, 2, E * ce, ce) || !fits(p.v_cache, p.v_cache_stride, 2, E * ce, ce))

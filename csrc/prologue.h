@@ -5,9 +5,10 @@
 // its heads are q (Hq), k (Hk), v (Hk). Per q and k head: RMSNorm with float32 statistics,
 // x * (1 / sqrt(mean(x^2) + eps)) * (weight_offset + w) where that head kind's weight is given,
 // then the rotation of rope.h (RopeParams' angle fields; R == 0: no rotation). float32 math, one
-// rounding to the output dtype; a float8 e4m3 cache holds value / scale rounded once, saturated to
-// +-448 (NaN stays NaN). The backward gives grad_qkv and per-block partial sums of the weights'
-// gradients (the binding adds them up in a fixed order: deterministic).
+// rounding to the output dtype; a float8 e4m3 cache (and q, with q_scale) holds value / scale
+// rounded once, saturated to +-448 (NaN stays NaN). The backward gives grad_qkv and per-block
+// partial sums of the weights' gradients (the binding adds them up in a fixed order:
+// deterministic).
 #pragma once
 
 #include <stdint.h>
@@ -32,6 +33,9 @@ typedef struct RopePrologueParams {
   int inplace;
   void* out[3];
   int64_t out_stride[3][3];
+  // > 0 (out of place only): out[0] is float8 e4m3 holding q / q_scale, rounded as the float8
+  // cache is; 0: q of qkv's dtype.
+  float q_scale;
   // RMSNorm weights: contiguous [D], 16-byte aligned, float32 or (weights_like_qkv) qkv's dtype;
   // null: that norm off.
   const void* q_weight;

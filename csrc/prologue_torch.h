@@ -4,6 +4,8 @@
 // stride 1 on head_dim) returns False / None: CudaBackend then runs rope_ops' torch ops.
 #pragma once
 
+#include <cmath>
+
 #include "prologue.h"
 #include "rope_torch.h"
 
@@ -14,6 +16,7 @@ struct PrologueCall {
   Tensor qkv, q_out, k_out, v_out, pos, cos, sin, freq_turns, q_weight, k_weight, k_cache, v_cache, slots;
   int64_t pos_offset = 0, hq = 0, hk = 0, head_dim = 0, rotary_dim = 0;
   double attention_factor = 1.0, eps = 0.0, weight_offset = 0.0, k_scale = 1.0, v_scale = 1.0;
+  double q_scale = 0.0;  // > 0: q_out is float8_e4m3fn of q / q_scale
   bool thd = true, interleaved = false, rotate = false, inplace = false;
 };
 
@@ -65,20 +68,23 @@ inline PrologueCall read_prologue_args(py::handle args) {
   c.slots = tensor_field(args, "slots");
   c.k_scale = real_field(args, "k_scale");
   c.v_scale = real_field(args, "v_scale");
+  c.q_scale = real_field(args, "q_scale");
   return c;
 }
 
 // (b, s, h) element strides of a [T, H, D] (thd) or [B, S, H, D] tensor of the call's tokens and
 // `heads` heads; false when it does not have stride 1 along D (the kernels need it).
 inline bool head_strides(const Tensor& t, const PrologueCall& c, const RopeParams& r, int64_t heads,
-                         const char* name, int64_t* out) {
+                         const char* name, int64_t* out, bool fp8 = false) {
   const int64_t rank = c.thd ? 3 : 4;
   TORCH_CHECK(t.dim() == rank && t.size(-1) == c.head_dim && t.size(-2) == heads &&
                   (c.thd ? t.size(0) == r.S : t.size(0) == r.B && t.size(1) == r.S),
               "rope_ops_cuda: ", name, " has shape ", t.sizes(), ", expected the tokens of qkv x ",
               heads, " heads x ", c.head_dim);
-  TORCH_CHECK(t.device() == c.qkv.device() && t.scalar_type() == c.qkv.scalar_type(),
-              "rope_ops_cuda: ", name, " must have qkv's dtype and device");
+  TORCH_CHECK(t.device() == c.qkv.device() &&
+                  t.scalar_type() == (fp8 ? at::kFloat8_e4m3fn : c.qkv.scalar_type()),
+              "rope_ops_cuda: ", name, " must have ", fp8 ? "float8_e4m3fn (q_scale > 0)" : "qkv's dtype",
+              " and qkv's device");
   out[0] = c.thd ? 0 : t.stride(0);
   out[1] = t.stride(rank - 3);
   out[2] = t.stride(rank - 2);
@@ -199,8 +205,13 @@ void prologue_cache(RopePrologueParams& p, PrologueCall& c) {
 template <class Platform>
 bool prologue_forward(py::handle args) {
   PrologueCall c = read_prologue_args(args);
+  const float q_scale = static_cast<float>(c.q_scale);
+  TORCH_CHECK(c.q_scale == 0.0 || (q_scale > 0.f && std::isfinite(q_scale) && !c.inplace),
+              "rope_ops_cuda: q_scale must be 0 or a positive finite float32, out of place only (got ",
+              c.q_scale, c.inplace ? ", in place)" : ")");
   RopePrologueParams p = prologue_common<Platform>(c, false);
   p.inplace = c.inplace ? 1 : 0;
+  p.q_scale = q_scale;
   if (!c.inplace) {
     TORCH_CHECK(c.q_out.defined() && c.k_out.defined() && c.v_out.defined(),
                 "rope_ops_cuda: an out-of-place prologue needs q_out, k_out and v_out");
@@ -208,7 +219,8 @@ bool prologue_forward(py::handle args) {
     const int64_t heads[3] = {c.hq, c.hk, c.hk};
     const char* names[3] = {"q_out", "k_out", "v_out"};
     for (int t = 0; t < 3; ++t) {
-      if (!head_strides(*outs[t], c, p.rope, heads[t], names[t], p.out_stride[t])) return false;
+      if (!head_strides(*outs[t], c, p.rope, heads[t], names[t], p.out_stride[t], t == 0 && q_scale > 0.f))
+        return false;
       p.out[t] = outs[t]->data_ptr();
     }
   }

@@ -900,10 +900,10 @@ def _fp8():
 
 def prologue_call(rn: Runner, gen, *, dtype, style, thd, D, r, Hq, Hk, T=13, B=2, S=7, extra=0,
                   q_norm=True, k_norm=True, offset=0.0, rotate=True, pos_kind="i64", inplace=False,
-                  cache=None, slot_values=None, weight_dtype=torch.float32, table_rows=64):
+                  cache=None, slot_values=None, weight_dtype=torch.float32, table_rows=64, q_scale=0.0):
     """(PrologueArgs with outputs allocated, inv_freq, the reference's positions). cache: None,
     "same" or "fp8"; slot_values: the slots to write (any int values) or None (a random
-    permutation with -1 for every fourth token)."""
+    permutation with -1 for every fourth token); q_scale > 0: q_out float8 (q / q_scale)."""
     from rope_ops.backend import PrologueArgs
 
     lead = (T,) if thd else (B, S)
@@ -940,7 +940,8 @@ def prologue_call(rn: Runner, gen, *, dtype, style, thd, D, r, Hq, Hk, T=13, B=2
         weights.append(w)
     outs = (None, None, None)
     if not inplace:
-        outs = tuple(torch.empty(*lead, h, D, dtype=dtype, device=rn.device) for h in (Hq, Hk, Hk))
+        outs = tuple(torch.empty(*lead, h, D, dtype=dt, device=rn.device)
+                     for h, dt in ((Hq, _fp8() if q_scale else dtype), (Hk, dtype), (Hk, dtype)))
     k_cache = v_cache = slots = None
     k_scale = v_scale = 1.0
     if cache is not None:
@@ -959,7 +960,7 @@ def prologue_call(rn: Runner, gen, *, dtype, style, thd, D, r, Hq, Hk, T=13, B=2
             k_scale, v_scale = 0.5, 2.0
     args = PrologueArgs(qkv, *outs, pos, pos_offset, cos, sin, turns, 1.0, "thd" if thd else "bshd",
                         Hq, Hk, D, r, style == "gptj", rotate, weights[0], weights[1], 1e-6, offset,
-                        inplace, k_cache, v_cache, slots, k_scale, v_scale)
+                        inplace, k_cache, v_cache, slots, k_scale, v_scale, q_scale=q_scale)
     return args, inv, ref_pos
 
 
@@ -978,9 +979,9 @@ def _storage_bytes(t):
 
 
 def _copy_args(args):
-    """args over copies of everything the forward writes (qkv, outputs, caches)."""
-    def cp(t):
-        return None if t is None else t.clone()
+    """args over copies of everything the forward writes (qkv, outputs, caches), each with its
+    strides and storage offset (alignment)."""
+    cp = _clone_storage
     qkv = _clone_storage(args.qkv) if args.inplace else args.qkv
     return args._replace(qkv=qkv, q_out=cp(args.q_out), k_out=cp(args.k_out), v_out=cp(args.v_out),
                          k_cache=_clone_storage(args.k_cache), v_cache=_clone_storage(args.v_cache))
@@ -1034,6 +1035,8 @@ def prologue_forward_problems(rn: Runner, name, args, inv, ref_pos) -> list[str]
         if part == "v":
             if not torch.equal(bits(g.cpu()), bits(w.cpu())):
                 problems.append(f"{name}: v differs from the input")
+        elif part == "q" and args.q_scale > 0:
+            problems += _close(f"{name} float8 q", g.float(), w.float(), _fp8())
         else:
             problems += _close(f"{name} {part}", g, w, dtype)
     if not args.inplace and not torch.equal(bits(got_args.qkv.cpu()), bits(before.cpu())):
@@ -1076,6 +1079,9 @@ def prologue_forward_problems(rn: Runner, name, args, inv, ref_pos) -> list[str]
                                     weight_offset=args.weight_offset, rotate=False,
                                     rotary_dim=args.rotary_dim, style="neox")
     for part, g, rf, x in zip("qk", got[:2], ref[:2], normalised[:2]):
+        if part == "q" and args.q_scale > 0:
+            problems += _fp8_q_reference_problems(name, g, rf, args.q_scale)
+            continue
         try:
             assert_rope_close(g, rf, x, rotary_dim=args.rotary_dim if args.rotate else 0,
                               style="gptj" if args.interleaved else "neox", what=f"{name} {part}",
@@ -1083,6 +1089,25 @@ def prologue_forward_problems(rn: Runner, name, args, inv, ref_pos) -> list[str]
         except AssertionError as e:
             problems.append(str(e)[:300])
     return problems
+
+
+def _fp8_q_reference_problems(name, got, ref, q_scale) -> list[str]:
+    """A float8 q against the float64 reference: ref / q_scale saturated at +-448, within half an
+    e4m3 ulp (3 mantissa bits; subnormal step 2^-9) plus the float32 math before the rounding."""
+    if got.dtype != _fp8():
+        return [f"{name}: q is {got.dtype}, not float8_e4m3fn"]
+    g = got.detach().to("cpu", torch.float64)
+    w = (ref.detach().to("cpu", torch.float64) / q_scale).clamp(-448.0, 448.0)
+    if not torch.equal(torch.isnan(g), torch.isnan(w)):
+        return [f"{name} float8 q: NaN in different places"]
+    g, w = g.nan_to_num(0.0), w.nan_to_num(0.0)
+    bound = w.abs() * (2.0 ** -4 + 1e-5) + 2.0 ** -9
+    bad = (g - w).abs() > bound
+    if bad.any():
+        i = bad.nonzero()[0].tolist()
+        return [f"{name} float8 q: {int(bad.sum())} of {bad.numel()} elements out of bounds of the "
+                f"reference, e.g. at {i}: {g[tuple(i)].item()} vs {w[tuple(i)].item()}"]
+    return []
 
 
 def prologue_backward_problems(rn: Runner, name, args, inv, ref_pos, which=(True, True, True)) -> list[str]:
@@ -1151,7 +1176,7 @@ PROLOGUE_DIMS = ((128, 128, 8), (64, 32, 0), (80, 32, 0), (96, 24, 3), (17, 10, 
 
 def prologue_cases(rn: Runner):
     """The forward over dtypes, styles, head dims and the call's options, and the backward of
-    each shape; caches with random and invalid slots; float8 saturation and NaN."""
+    each shape; caches with random and invalid slots; float8 saturation and NaN; a float8 q."""
     gen = torch.Generator().manual_seed(2026)
     n = 0
     for dtype in DTYPES:
@@ -1210,6 +1235,25 @@ def prologue_cases(rn: Runner):
         rn.case("prologue fp8 saturation and NaN",
                 lambda: prologue_forward_problems(rn, "fp8 saturation", args, inv, ref_pos)
                 + _fp8_saturation_problems(rn, args))
+    if _fp8():  # q as float8 of q / q_scale (0.004 saturates much of it at +-448), with caches
+        for i, (dtype, style, D, r, extra, cache, q_scale) in enumerate((
+                (torch.bfloat16, "neox", 128, 128, 8, "fp8", 0.25),  # vectors, 1 unit per lane
+                (torch.float16, "gptj", 96, 24, 3, "same", 0.004),  # single elements, 4 units
+                (torch.float32, "neox", 17, 10, 0, None, 0.5),  # single elements, odd head_dim
+                (torch.float32, "gptj", 64, 32, 0, "fp8", 0.004),
+                (torch.bfloat16, "neox", 384, 128, 0, None, 1 / 3))):  # vectors, 4 units per lane
+            Hq, Hk = (4, 2) if D < 256 else (2, 1)
+            args, inv, ref_pos = prologue_call(rn, gen, dtype=dtype, style=style, thd=i % 2 == 0, D=D,
+                                               r=r, Hq=Hq, Hk=Hk, extra=extra, cache=cache, q_scale=q_scale)
+            name = f"prologue float8 q {str(dtype)[6:]} {style} D{D} r{r} q_scale={q_scale:.3g} cache={cache}"
+            rn.case(name, lambda: prologue_forward_problems(rn, name, args, inv, ref_pos))
+        # a float8 q_out one byte off alignment: single elements
+        args, inv, ref_pos = prologue_call(rn, gen, dtype=torch.bfloat16, style="neox", thd=True, D=128,
+                                           r=64, Hq=4, Hk=2, T=5, cache="fp8", q_scale=0.25)
+        q_out = torch.empty(args.q_out.numel() + 1, dtype=_fp8(), device=rn.device)[1:].view(args.q_out.shape)
+        args = args._replace(q_out=q_out)
+        rn.case("prologue float8 q unaligned",
+                lambda: prologue_forward_problems(rn, "float8 q unaligned", args, inv, ref_pos))
     # a head row of more than 128 units: the kernels refuse it (the backend then runs torch ops)
     args, inv, ref_pos = prologue_call(rn, gen, dtype=torch.float32, style="neox", thd=True, D=300,
                                        r=300, Hq=1, Hk=1, T=3)

@@ -17,9 +17,9 @@ Interleaved mRoPE ranks below the Triton backend, whose kernels measured faster 
 
 The fused prologue (rope_ops.qkv_prologue) runs csrc/kernel_prologue.cuh, forward and backward,
 for position tables (mRoPE and per-token caller tables are refused: selection sends them to
-another backend), with caches of qkv's dtype or float8 e4m3. Calls its kernels cannot take
-(head rows of more than 128 vectors or elements, outputs without stride 1 on head_dim) run
-rope_ops' torch ops.
+another backend), with caches of qkv's dtype or float8 e4m3, and q optionally as float8 e4m3
+(q_scale). Calls its kernels cannot take (head rows of more than 128 vectors or elements, outputs
+without stride 1 on head_dim) run rope_ops' torch ops.
 
 For benchmark tooling only (not API): ``kernel_candidates(args)`` lists every kernel
 configuration that can take a call, the policy's choice first, and ``run_with(args, candidate)``
@@ -178,6 +178,9 @@ class CudaBackend(Backend):
     supports_prologue = True
     prologue_cache_dtypes = frozenset(
         {d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None})
+    # float8 q (PrologueArgs.q_scale), converted as the cache is. __nv_cvt_float_to_fp8 has a
+    # software path below compute capability 8.9, so neither is refused on older GPUs.
+    prologue_q_dtypes = prologue_cache_dtypes
 
     def availability(self) -> list[str]:
         """Why this process cannot run the CUDA kernels; builds the extension on first call.
