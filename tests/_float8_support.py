@@ -53,3 +53,25 @@ def check_float8_cache(backend_name: str, device: str = "cpu", nan: bool = True)
                 assert torch.equal(torch.isnan(got.float()), is_nan), f"scale {scale}: NaN"
             assert torch.equal(got.view(torch.uint8)[~is_nan], want.view(torch.uint8)[~is_nan]), \
                 f"scale {scale}"
+
+
+def check_float8_q(backend_name: str, label: str = "") -> None:
+    """qkv_prologue(q_scale=...)'s float8 q, bit for bit against the torch backend's _float8_of
+    of value / q_scale: ties to even, subnormals, saturation at +-448 (infinities too), NaN stays
+    NaN. Neither norm nor rotation, so that q's float32 values are qkv's own."""
+    from rope_ops.backend import _float8_of
+
+    gen = torch.Generator().manual_seed(16)
+    values = float8_test_values(gen)
+    tokens, d = 16, 64
+    for q_scale in (1.0, 2.0**-6, 2.0**9, 0.3):
+        for q in values.reshape(8, tokens, d):
+            qkv = torch.cat([q, torch.randn(tokens, 2 * d, generator=gen).bfloat16()], -1)
+            with torch.inference_mode():
+                got, _, _ = rope_ops.qkv_prologue(qkv, None, num_q_heads=1, num_kv_heads=1, head_dim=d,
+                                                  rotate=False, q_scale=q_scale, backend=backend_name)
+            want = _float8_of(q.float(), q_scale)
+            is_nan = torch.isnan(q.float())
+            assert torch.equal(torch.isnan(got[:, 0].float()), is_nan), f"{label} q_scale {q_scale}: NaN"
+            assert torch.equal(got[:, 0].view(torch.uint8)[~is_nan], want.view(torch.uint8)[~is_nan]), \
+                f"{label} q_scale {q_scale}"

@@ -27,7 +27,7 @@ from rope_ops.testing.checks import assert_bitwise_equal, assert_rope_close
 from rope_ops.testing.tolerances import ulp
 
 from _cpu_support import backend, isa  # noqa: F401  (fixtures)
-from _float8_support import check_float8_cache, float8_test_values
+from _float8_support import check_float8_cache, check_float8_q
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -260,23 +260,8 @@ def test_float8_q_is_float8_of_the_float32_q(isa, name, dtype):
 
 @pytest.mark.skipif(FP8 is None, reason="no float8 in this torch")
 def test_float8_q_rounding(isa):
-    """The float8 q's rounding of value / q_scale, bit for bit against the torch backend's
-    _float8_of: ties to even, subnormals, saturation at +-448 (infinities too), NaN stays NaN.
-    Neither norm nor rotation, so that q's float32 values are qkv's own."""
-    gen = torch.Generator().manual_seed(16)
-    values = float8_test_values(gen)
-    tokens, d = 16, 64
-    for q_scale in (1.0, 2.0**-6, 2.0**9, 0.3):
-        for q in values.reshape(8, tokens, d):
-            qkv = torch.cat([q, torch.randn(tokens, 2 * d, generator=gen).bfloat16()], -1)
-            with torch.inference_mode():
-                got, _, _ = rope_ops.qkv_prologue(qkv, None, num_q_heads=1, num_kv_heads=1, head_dim=d,
-                                                  rotate=False, q_scale=q_scale, backend="cpu")
-            want = _float8_of(q.float(), q_scale)
-            is_nan = torch.isnan(q.float())
-            assert torch.equal(torch.isnan(got[:, 0].float()), is_nan), f"{isa} q_scale {q_scale}: NaN"
-            assert torch.equal(got[:, 0].view(torch.uint8)[~is_nan], want.view(torch.uint8)[~is_nan]), \
-                f"{isa} q_scale {q_scale}"
+    """The float8 q's rounding, bit for bit (check_float8_q)."""
+    check_float8_q("cpu", isa)
 
 
 def test_cache_through_the_api_paged_and_in_place(isa):
