@@ -40,9 +40,9 @@ def apply(q: torch.Tensor, k: torch.Tensor | None, pos, *, rotary_dim: int | Non
           style: str | None = None, layout: str | None = None, base: float | None = None,
           scaling: dict | None = None, rope: RotaryEmbedding | None = None,
           cos_sin: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None = None,
-          angles: torch.Tensor | None = None, inplace: bool = False, backend: str | None = None, max_position: int | None = None,
-          seq_len: int | None = None, head_dim: int | None = None, mrope_section=None,
-          mrope_interleaved: bool = False, out=None):
+          angles: torch.Tensor | None = None, inplace: bool = False, backend: str | None = None,
+          max_position: int | None = None, seq_len: int | None = None, head_dim: int | None = None,
+          mrope_section=None, mrope_interleaved: bool = False, out=None):
     """Rotate q and k by their tokens' positions (RotaryEmbedding). Returns ``(q_out, k_out)``.
 
     Args:
@@ -212,6 +212,18 @@ def _plan_key(q, k, pos, options):
     return (q.shape, q.stride(), q.dtype, q.device, pos_key, k_key, options, needs_grad)
 
 
+def full_options(kwargs: dict, what: str) -> dict:
+    """apply's keyword arguments as _apply's options (defaults filled in, angles as cos_sin
+    tables), for the entry points that take them as **kwargs."""
+    unknown = set(kwargs) - set(_KWARG_NAMES) - {"angles"}
+    if unknown:
+        raise TypeError(f"{what}() got unexpected keyword arguments {sorted(unknown)}")
+    options = {name: kwargs.get(name, _KWARG_DEFAULTS.get(name)) for name in _KWARG_NAMES}
+    if kwargs.get("angles") is not None:
+        options["cos_sin"] = _tables_of_angles(kwargs["angles"], options["cos_sin"])
+    return options
+
+
 def apply_grad(grad_q: torch.Tensor, grad_k: torch.Tensor | None, pos, **kwargs):
     """RotaryEmbeddingGrad: gradients w.r.t. q and k from the gradients of apply's outputs.
 
@@ -219,24 +231,12 @@ def apply_grad(grad_q: torch.Tensor, grad_k: torch.Tensor | None, pos, **kwargs)
     by minus the angle; pass-through dims get the gradient unchanged. For callers that run their
     own backward; ``apply`` already has it wired into autograd. Differentiable itself.
     """
-    unknown = set(kwargs) - set(_KWARG_NAMES) - {"angles"}
-    if unknown:
-        raise TypeError(f"apply_grad() got unexpected keyword arguments {sorted(unknown)}")
-    options = {name: kwargs.get(name, _KWARG_DEFAULTS.get(name)) for name in _KWARG_NAMES}
-    if kwargs.get("angles") is not None:
-        options["cos_sin"] = _tables_of_angles(kwargs["angles"], options["cos_sin"])
-    return _apply(grad_q, grad_k, pos, options, inverse=True)
+    return _apply(grad_q, grad_k, pos, full_options(kwargs, "apply_grad"), inverse=True)
 
 
 def which_backend(q, k, pos, **kwargs) -> str:
     """The name of the backend ``apply`` would run for these arguments (nothing is computed)."""
-    unknown = set(kwargs) - set(_KWARG_NAMES) - {"angles"}
-    if unknown:
-        raise TypeError(f"select_backend() got unexpected keyword arguments {sorted(unknown)}")
-    options = {name: kwargs.get(name, _KWARG_DEFAULTS.get(name)) for name in _KWARG_NAMES}
-    if kwargs.get("angles") is not None:
-        options["cos_sin"] = _tables_of_angles(kwargs["angles"], options["cos_sin"])
-    return _apply(q, k, pos, options, mode="select")
+    return _apply(q, k, pos, full_options(kwargs, "which_backend"), mode="select")
 
 
 # ---------------------------------------------------------------------------------------------

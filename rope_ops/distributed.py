@@ -493,13 +493,10 @@ class _ToLocal(torch.autograd.Function):
 # rope_ops.apply on DTensors.
 
 
-def _full_kwargs(kwargs: dict) -> dict:
+def _api_options(kwargs: dict, what: str) -> dict:
     from . import _api
 
-    unknown = set(kwargs) - set(_api._KWARG_NAMES)
-    if unknown:
-        raise TypeError(f"apply() got unexpected keyword arguments {sorted(unknown)}")
-    return {name: kwargs.get(name, _api._KWARG_DEFAULTS.get(name)) for name in _api._KWARG_NAMES}
+    return _api.full_options(kwargs, what)
 
 
 def apply(q, k, pos, **kwargs):
@@ -509,7 +506,7 @@ def apply(q, k, pos, **kwargs):
         from . import _api
 
         return _api.apply(q, k, pos, **kwargs)
-    return apply_dtensor(q, k, pos, _full_kwargs(kwargs))
+    return apply_dtensor(q, k, pos, _api_options(kwargs, "apply"))
 
 
 def apply_grad(grad_q, grad_k, pos, **kwargs):
@@ -518,7 +515,7 @@ def apply_grad(grad_q, grad_k, pos, **kwargs):
         from . import _api
 
         return _api.apply_grad(grad_q, grad_k, pos, **kwargs)
-    return apply_dtensor(grad_q, grad_k, pos, _full_kwargs(kwargs), inverse=True)
+    return apply_dtensor(grad_q, grad_k, pos, _api_options(kwargs, "apply_grad"), inverse=True)
 
 
 def apply_dtensor(q, k, pos, kw: dict, inverse: bool = False, mode: str = "run"):

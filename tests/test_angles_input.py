@@ -139,3 +139,24 @@ def test_angles_under_compile(backend):
         return rope_ops.apply(q, None, 0, angles=angles, backend=backend)[0]
 
     assert torch.equal(f(q, angles), eager)
+
+
+def test_angles_on_dtensors(tmp_path):
+    """rope_ops.distributed.apply takes angles= as rope_ops.apply does (one gloo rank)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import rope_ops.distributed as rd
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        q = torch.randn(2, 8, 4, 64)
+        angles = _angles(8, 32, seed=11)
+        pos = torch.arange(8)
+        out, _ = rd.apply(distribute_tensor(q, mesh, [Shard(1)]), None, pos, angles=angles, backend="torch")
+        want, _ = rope_ops.apply(q, None, pos, angles=angles, backend="torch")
+        assert torch.equal(out.full_tensor(), want)
+    finally:
+        dist.destroy_process_group()
