@@ -128,13 +128,18 @@ def platform_line(results: dict) -> str:
             f"{env['date']}{note}")
 
 
+def copy_lines(results: dict) -> list[str]:
+    """The same-run copy bandwidth, where the run measured one (a candidates-only run does not)."""
+    if "copy_bandwidth_GBps" not in results:
+        return []
+    return [f"Same-run copy bandwidth: {results['copy_bandwidth_GBps']:.0f} GB/s (2 GiB device-to-device "
+            "copy, bytes read + written)."]
+
+
 def method_lines(results: dict) -> list[str]:
     env = results["environment"]
     if env["device"] == "cuda":
-        # a candidates-only run times no providers and measures no copy bandwidth
-        copy = ([f"Same-run copy bandwidth: {results['copy_bandwidth_GBps']:.0f} GB/s (2 GiB device-to-device "
-                 "copy, bytes read + written)."] if "copy_bandwidth_GBps" in results else [])
-        return copy + [
+        return copy_lines(results) + [
             "GPU time: calls captured in one CUDA graph (~20 ms of work), replay time / calls, median of the "
             "replays, after warm-up, rotating input sets that together exceed 3x the L2.",
             "Bytes: q and k read and written once (rotary dims only in place), one float32 cos/sin row and one "
@@ -176,7 +181,9 @@ def load_warning(results: dict) -> str | None:
 
 def render(results: dict) -> str:
     parts = [f"rope_ops bench: {platform_line(results)}"]
-    parts += [line for line in method_lines(results)[:1] if line.startswith("Same-run copy")]
+    # the method's lead line: the copy bandwidth on a GPU (none in a candidates-only run), the
+    # allocator on a CPU
+    parts += copy_lines(results) if results["environment"]["device"] == "cuda" else method_lines(results)[:1]
     warning = load_warning(results)
     if warning:
         parts.append(warning)
