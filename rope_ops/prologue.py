@@ -228,17 +228,22 @@ def _prepare(qkv, pos, hq, hk, head_dim, q_norm, k_norm, eps, norm_offset, rotat
     return call, args, spec
 
 
+def _check_scale(name, value) -> float:
+    """A float8 scale: a positive finite number, or a one-element tensor holding one."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise RopeError(f"{name}: expected one number, got a tensor of shape {list(value.shape)}")
+        value = float(value)
+    return _check_float(name, value, positive=True)
+
+
 def _check_q_scale(q_scale, inplace, needs_grad) -> float:
     """0.0 (q in qkv's dtype) or the positive scale of a float8 q."""
     if q_scale is None:
         return 0.0
     if not _CACHE_FP8:
         raise RopeError("q_scale: this torch has no float8_e4m3fn")
-    if isinstance(q_scale, torch.Tensor):
-        if q_scale.numel() != 1:
-            raise RopeError(f"q_scale: expected one number, got a tensor of shape {list(q_scale.shape)}")
-        q_scale = float(q_scale)
-    q_scale = _check_float("q_scale", q_scale, positive=True)
+    q_scale = _check_scale("q_scale", q_scale)
     if not torch.finfo(torch.float32).tiny <= q_scale <= torch.finfo(torch.float32).max:
         raise RopeError(f"q_scale: {q_scale!r} is not a normal float32 (kernels divide in float32)")
     if inplace:
@@ -298,10 +303,7 @@ def _check_cache(kv_cache, slots, cache_scales, qkv, hk, head_dim, leading):
             raise RopeError(f"cache_scales: only for a float8 cache; this cache is {k_cache.dtype}")
         if not (isinstance(cache_scales, (tuple, list)) and len(cache_scales) == 2):
             raise RopeError("cache_scales: expected (k_scale, v_scale)")
-        k_scale = _check_float("cache_scales", float(cache_scales[0]) if isinstance(
-            cache_scales[0], torch.Tensor) else cache_scales[0], positive=True)
-        v_scale = _check_float("cache_scales", float(cache_scales[1]) if isinstance(
-            cache_scales[1], torch.Tensor) else cache_scales[1], positive=True)
+        k_scale, v_scale = (_check_scale("cache_scales", scale) for scale in cache_scales)
     if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
         raise RopeError("slots: kv_cache needs slots, an int32/int64 tensor of one slot per token")
     if tuple(slots.shape) != leading:

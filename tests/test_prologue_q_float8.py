@@ -75,3 +75,17 @@ def test_float8_q_under_compile_matches_eager():
     assert torch.equal(compiled[0].view(torch.uint8), eager[0].view(torch.uint8))
     for got, want in zip(compiled[1:], eager[1:]):
         assert torch.equal(got, want)
+
+
+def test_cache_scales_are_checked_as_q_scale_is():
+    qkv, kw = _qkv(seed=3)
+    caches = (torch.zeros(8, 2, 64, dtype=FP8), torch.zeros(8, 2, 64, dtype=FP8))
+    before = [c.view(torch.uint8).clone() for c in caches]
+    for scales, message in (((torch.tensor([1.0, 2.0]), 1.0), "one number"), ((0.0, 1.0), "cache_scales")):
+        with torch.no_grad(), pytest.raises(RopeError, match=message):
+            rope_ops.qkv_prologue(qkv, 0, kv_cache=caches, slots=torch.arange(5), cache_scales=scales,
+                                  backend="torch", **kw)
+    assert all(torch.equal(c.view(torch.uint8), b) for c, b in zip(caches, before))
+    with torch.no_grad():
+        rope_ops.qkv_prologue(qkv, 0, kv_cache=caches, slots=torch.arange(5),
+                              cache_scales=(torch.tensor(0.5), 2.0), backend="torch", **kw)
