@@ -996,8 +996,10 @@ def _views(args):
     return args.q_out, args.k_out, args.v_out
 
 
-def _close(name, got, want, dtype) -> list[str]:
-    """got within one rounding of `dtype` (plus float32 noise) of want; NaN where want is NaN."""
+def _close(name, got, want, dtype, fp8_step=2.0 ** -3) -> list[str]:
+    """got within one rounding of `dtype` (plus float32 noise) of want; NaN where want is NaN.
+    float8: within fp8_step of |want| (an e4m3 ulp is 2^-3 of it; 2^-4 is half of one) plus the
+    subnormal step 2^-9."""
     from rope_ops.testing.tolerances import ulp
 
     g = got.detach().to("cpu", torch.float64)
@@ -1006,7 +1008,7 @@ def _close(name, got, want, dtype) -> list[str]:
         return [f"{name}: NaN in different places"]
     g, w = g.nan_to_num(0.0), w.nan_to_num(0.0)
     if dtype == _fp8():  # e4m3: 3 mantissa bits, subnormal step 2^-9
-        bound = w.abs() * 2.0 ** -3 + 2.0 ** -9
+        bound = w.abs() * fp8_step + 2.0 ** -9
     else:
         bound = 2 * ulp(w, dtype) + 2e-5 * (1.0 + w.abs())
     bad = (g - w).abs() > bound
@@ -1096,18 +1098,8 @@ def _fp8_q_reference_problems(name, got, ref, q_scale) -> list[str]:
     e4m3 ulp (3 mantissa bits; subnormal step 2^-9) plus the float32 math before the rounding."""
     if got.dtype != _fp8():
         return [f"{name}: q is {got.dtype}, not float8_e4m3fn"]
-    g = got.detach().to("cpu", torch.float64)
-    w = (ref.detach().to("cpu", torch.float64) / q_scale).clamp(-448.0, 448.0)
-    if not torch.equal(torch.isnan(g), torch.isnan(w)):
-        return [f"{name} float8 q: NaN in different places"]
-    g, w = g.nan_to_num(0.0), w.nan_to_num(0.0)
-    bound = w.abs() * (2.0 ** -4 + 1e-5) + 2.0 ** -9
-    bad = (g - w).abs() > bound
-    if bad.any():
-        i = bad.nonzero()[0].tolist()
-        return [f"{name} float8 q: {int(bad.sum())} of {bad.numel()} elements out of bounds of the "
-                f"reference, e.g. at {i}: {g[tuple(i)].item()} vs {w[tuple(i)].item()}"]
-    return []
+    want = (ref.detach().to("cpu", torch.float64) / q_scale).clamp(-448.0, 448.0)
+    return _close(f"{name} float8 q against the reference", got, want, _fp8(), fp8_step=2.0 ** -4 + 1e-5)
 
 
 def prologue_backward_problems(rn: Runner, name, args, inv, ref_pos, which=(True, True, True)) -> list[str]:
