@@ -34,8 +34,8 @@
    decode with a bf16 / float8 cache write (256 tokens), each against a same-run copy of the
    bytes that must move (qkv read once, q, k, v written once, cache rows, positions, distinct
    table rows, weights; the backward's reads and grad_qkv), the policy without its register cap,
-   the unfused pipeline (torch RMSNorm + rope_ops.apply) on the forward cases, and every
-   prologue candidate configuration.
+   the unfused pipeline (torch RMSNorm + rope_ops.apply) and Hugging Face's Qwen3 prologue under
+   torch.compile on the forward cases, and every prologue candidate configuration.
 
 Exit status 1 when a correctness check failed; timings never fail the run. The summary ends with
 the lines to send back; --json writes everything.
@@ -703,6 +703,41 @@ def unfused_fns(inp: PrologueInputs) -> list:
     return fns
 
 
+def hf_compiled_fns(inp: PrologueInputs) -> list:
+    """The same forward as Hugging Face's Qwen3 attention runs it (q_norm / k_norm modules on the
+    projections' head views, apply_rotary_pos_emb with the model's per-token cos/sin, computed
+    once per model call and so outside the timed function), under torch.compile(fullgraph=True);
+    q, k and v come out contiguous, as the fused op's do. NeoX style only."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    pc = inp.pc
+    norms = []
+    for w in inp.weights:
+        norm = Qwen3RMSNorm(pc.D, eps=1e-6).to(device=inp.cos.device, dtype=pc.torch_dtype)
+        with torch.no_grad():
+            norm.weight.copy_(w if w is not None else torch.ones_like(norm.weight))
+        norms.append(norm if w is not None else torch.nn.Identity())
+
+    def prologue(qkv, cos, sin):
+        lead = qkv.shape[:-1]
+        q, k, v = qkv.split([pc.hq * pc.D, pc.hk * pc.D, pc.hk * pc.D], dim=-1)
+        q = norms[0](q.view(*lead, pc.hq, pc.D)).transpose(-3, -2)
+        k = norms[1](k.view(*lead, pc.hk, pc.D)).transpose(-3, -2)
+        v = v.view(*lead, pc.hk, pc.D)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=-3)
+        return q.transpose(-3, -2).contiguous(), k.transpose(-3, -2).contiguous(), v.contiguous()
+
+    compiled = torch.compile(prologue, fullgraph=True)
+    fns = []
+    for args, _ in inp.sets:
+        pos = args.pos.long()
+        half = torch.cat([inp.cos, inp.cos], dim=-1), torch.cat([inp.sin, inp.sin], dim=-1)
+        cos, sin = (t[pos].to(pc.torch_dtype) for t in half)  # HF's [.., S, D] rows in the model dtype
+        fns.append(lambda a=args, c=cos, s=sin: compiled(a.qkv, c, s))
+    return fns
+
+
 def time_prologue(pc: PrologueCase, study: bool, deadline: float) -> dict:
     """GPU time of the policy's launch against a same-run copy of the bytes that must move; the
     policy without the register cap; the unfused pipeline (forward cases); every candidate
@@ -719,6 +754,8 @@ def time_prologue(pc: PrologueCase, study: bool, deadline: float) -> dict:
     row["no_register_cap_us"] = round(graph_us(prologue_fns(inp, max_registers=None), iters=3), 2)
     if not pc.backward and not pc.cache and not pc.inplace:
         row["unfused_us"] = round(graph_us(unfused_fns(inp), iters=3), 2)
+        if pc.style == "neox":
+            row["hf_compiled_us"] = round(graph_us(hf_compiled_fns(inp), iters=3), 2)
     if study:
         time_candidates(row, labels, lambda label, inp=inp: graph_us(
             prologue_fns(inp, label), iters=3), deadline)
@@ -1189,6 +1226,8 @@ def main() -> int:
             note += f"  [no cap {r['no_register_cap_us']}]"
             if "unfused_us" in r:
                 note += f"  [unfused {r['unfused_us']}]"
+            if "hf_compiled_us" in r:
+                note += f"  [HF Qwen3 compiled {r['hf_compiled_us']}]"
             if "best" in r:
                 note += f"  [{r['best']}: {r['best_us']}]"
             print(f"{r['case']:30s} {r['MB']:8.1f} {r['us']:9.2f} {r['copy_us']:9.2f} "
