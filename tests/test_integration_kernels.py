@@ -40,6 +40,16 @@ def rotary_func(monkeypatch):
     return func
 
 
+def _kernelized_funcs(model):
+    """The rotary function modules kernelize rebinds in `model`: kernels >= 0.19.1 gives every
+    module decorated with use_kernelized_func its own private copy (`_kernel_funcs`, which calls
+    to the function inside that module's forward reach); earlier versions share the
+    module-level function."""
+    own = [f for m in model.modules() for f in getattr(m, "_kernel_funcs", {}).values()
+           if getattr(f, "kernel_layer_name", None) == "rotary_pos_emb"]
+    return own or [modeling_llama.apply_rotary_pos_emb]
+
+
 def _inputs(dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 4, 7, 16, generator=gen).to(dtype).requires_grad_(True)
@@ -90,8 +100,9 @@ def test_kernelized_function_matches_transformers(tmp_path, rotary_func, rope_op
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2), layer_idx=0)
     with use_kernel_mapping(kernels_hub.kernel_mapping(repo)):
         kernelize(holder, mode=mode, device="cpu", use_fallback=False)  # no silent fallback
-    assert rotary_func.forward.__func__ is kernels_hub.ApplyRotaryTransformers.forward
-    got = _forward_backward(modeling_llama.apply_rotary_pos_emb, *inputs)
+    (func,) = _kernelized_funcs(holder)
+    assert func.forward.__func__ is kernels_hub.ApplyRotaryTransformers.forward
+    got = _forward_backward(func, *inputs)
     assert len(rope_ops_calls) == 1
     for x, y in zip(got, expected):
         assert x.dtype == y.dtype
@@ -121,7 +132,8 @@ def test_kernelized_llama_trains_like_transformers(tmp_path, rotary_func, rope_o
     hf_logits, hf_grads = step()
     with use_kernel_mapping(kernels_hub.kernel_mapping(repo)):
         kernelize(model, mode=Mode.TRAINING, device="cpu")
-    assert rotary_func.forward.__func__ is kernels_hub.ApplyRotaryTransformers.forward
+    funcs = _kernelized_funcs(model)
+    assert funcs and all(f.forward.__func__ is kernels_hub.ApplyRotaryTransformers.forward for f in funcs)
     logits, grads = step()
     assert len(rope_ops_calls) == config.num_hidden_layers
     torch.testing.assert_close(logits, hf_logits, rtol=0, atol=2e-5)
