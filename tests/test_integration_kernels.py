@@ -79,6 +79,18 @@ def test_local_repository_is_what_kernels_loads(tmp_path):
     assert layer.has_backward and layer.can_torch_compile
 
 
+def test_local_repository_records_a_digest_that_kernels_verifies(tmp_path, caplog):
+    if not kernels_hub._reads_digests():
+        pytest.skip("this kernels does not read digests")
+    repo = kernels_hub.write_local_repository(tmp_path)
+    with caplog.at_level("WARNING"):
+        kernels.get_local_kernel(repo)
+    assert "digest" not in caplog.text  # no "cannot be verified" warning
+    (repo / "build" / "torch-cpu" / "__init__.py").write_text("raise SystemExit\n")
+    with pytest.raises(Exception, match="digest"):
+        kernels.get_local_kernel(repo)
+
+
 def test_mapping_covers_every_mode_and_device(tmp_path):
     mapping = kernels_hub.kernel_mapping(tmp_path)
     per_device = mapping["rotary_pos_emb"]

@@ -20,6 +20,8 @@ repository of your own).
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import sys
 import types
@@ -74,9 +76,25 @@ def write_local_repository(directory) -> Path:
         metadata = {"id": f"_rope_ops_rotary_{variant.replace('-', '_')}", "name": KERNEL_NAME,
                     "version": 1, "license": "Apache-2.0", "python-depends": [],
                     "backend": {"type": backend}}
+        if _reads_digests():  # kernels verifies the files against it (and warns without one)
+            metadata["digest"] = {"algorithm": "sha256", "files": {"__init__.py": _sha256_b64(_INIT.encode())}}
         (variant_dir / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
         (variant_dir / "__init__.py").write_text(_INIT)
     return root
+
+
+def _reads_digests() -> bool:
+    """Whether the installed kernels reads a build variant's digest (0.19 and later; earlier
+    versions may refuse a metadata field they do not know)."""
+    try:
+        import kernels
+    except ImportError:
+        return False
+    return hasattr(getattr(kernels, "Metadata", None), "digest")
+
+
+def _sha256_b64(data: bytes) -> str:
+    return base64.b64encode(hashlib.sha256(data).digest()).decode()
 
 
 def kernel_mapping(repository, devices=DEVICES) -> dict:
