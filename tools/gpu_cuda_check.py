@@ -1301,13 +1301,11 @@ def prologue_timing(rn: Runner) -> None:
             triton = f"{tc.graph_us(prologue_timed_calls(pc, inp, tp.run_prologue, tp.run_prologue_backward)):.2f}"
         except Exception as e:  # Triton missing or failing is a note here
             triton = f"{type(e).__name__}"
-        baselines = ""
-        if not (pc.backward or pc.cache or pc.inplace) and pc.style == "neox":
-            try:  # the passes the fusion saves, in the same run
-                baselines = (f", unfused {tc.graph_us(tc.unfused_fns(inp), iters=3):.2f}, "
-                             f"HF Qwen3 compiled {tc.graph_us(tc.hf_compiled_fns(inp), iters=3):.2f}")
-            except Exception as e:
-                baselines = f", baselines: {type(e).__name__}: {e}"
+        try:  # the passes the fusion saves, in the same run
+            baselines = "".join(f", {label} {tc.graph_us(fns, iters=3):.2f}"
+                                for label, fns in tc.baseline_fns(inp).values())
+        except Exception as e:
+            baselines = f", baselines: {type(e).__name__}: {e}"
         print(f"  {pc.name}: cuda {cuda_us:.2f} ({100 * copy / cuda_us:.1f} % of copy), triton {triton}, "
               f"copy {copy:.2f}{baselines}", flush=True)
         del inp

@@ -714,10 +714,12 @@ def hf_compiled_fns(inp: PrologueInputs) -> list:
     pc = inp.pc
     norms = []
     for w in inp.weights:
-        norm = Qwen3RMSNorm(pc.D, eps=1e-6).to(device=inp.cos.device, dtype=pc.torch_dtype)
-        with torch.no_grad():
-            norm.weight.copy_(w if w is not None else torch.ones_like(norm.weight))
-        norms.append(norm if w is not None else torch.nn.Identity())
+        norm = torch.nn.Identity()
+        if w is not None:
+            norm = Qwen3RMSNorm(pc.D, eps=1e-6).to(device=inp.cos.device, dtype=pc.torch_dtype)
+            with torch.no_grad():
+                norm.weight.copy_(w)
+        norms.append(norm)
 
     def prologue(qkv, cos, sin):
         lead = qkv.shape[:-1]
@@ -729,13 +731,25 @@ def hf_compiled_fns(inp: PrologueInputs) -> list:
         return q.transpose(-3, -2).contiguous(), k.transpose(-3, -2).contiguous(), v.contiguous()
 
     compiled = torch.compile(prologue, fullgraph=True)
+    full = torch.cat([inp.cos, inp.cos], dim=-1), torch.cat([inp.sin, inp.sin], dim=-1)
     fns = []
     for args, _ in inp.sets:
         pos = args.pos.long()
-        half = torch.cat([inp.cos, inp.cos], dim=-1), torch.cat([inp.sin, inp.sin], dim=-1)
-        cos, sin = (t[pos].to(pc.torch_dtype) for t in half)  # HF's [.., S, D] rows in the model dtype
+        cos, sin = (t[pos].to(pc.torch_dtype) for t in full)  # HF's [.., S, D] rows in the model dtype
         fns.append(lambda a=args, c=cos, s=sin: compiled(a.qkv, c, s))
     return fns
+
+
+def baseline_fns(inp: PrologueInputs) -> dict:
+    """The passes the fusion replaces, timed beside it on the out-of-place forward cases without
+    a cache: {row key: (label, fns)} (Hugging Face's prologue for NeoX only)."""
+    pc = inp.pc
+    if pc.backward or pc.cache or pc.inplace:
+        return {}
+    out = {"unfused_us": ("unfused", unfused_fns(inp))}
+    if pc.style == "neox":
+        out["hf_compiled_us"] = ("HF Qwen3 compiled", hf_compiled_fns(inp))
+    return out
 
 
 def time_prologue(pc: PrologueCase, study: bool, deadline: float) -> dict:
@@ -752,10 +766,8 @@ def time_prologue(pc: PrologueCase, study: bool, deadline: float) -> dict:
     row = {"case": pc.name, "MB": round(moved / 1e6, 1), "us": round(us, 2),
            "copy_us": round(copy, 2), "pct_copy": round(100 * copy / us, 1), "policy": labels[0]}
     row["no_register_cap_us"] = round(graph_us(prologue_fns(inp, max_registers=None), iters=3), 2)
-    if not pc.backward and not pc.cache and not pc.inplace:
-        row["unfused_us"] = round(graph_us(unfused_fns(inp), iters=3), 2)
-        if pc.style == "neox":
-            row["hf_compiled_us"] = round(graph_us(hf_compiled_fns(inp), iters=3), 2)
+    for key, (_, fns) in baseline_fns(inp).items():
+        row[key] = round(graph_us(fns, iters=3), 2)
     if study:
         time_candidates(row, labels, lambda label, inp=inp: graph_us(
             prologue_fns(inp, label), iters=3), deadline)

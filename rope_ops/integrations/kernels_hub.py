@@ -70,13 +70,14 @@ def write_local_repository(directory) -> Path:
     VARIANTS; ``kernels.get_local_kernel`` and ``LocalLayerRepository`` load it.
     """
     root = Path(directory)
+    digest = _reads_digests()  # kernels then verifies the files against it (and warns without one)
     for variant, backend in VARIANTS.items():
         variant_dir = root / "build" / variant
         variant_dir.mkdir(parents=True, exist_ok=True)
         metadata = {"id": f"_rope_ops_rotary_{variant.replace('-', '_')}", "name": KERNEL_NAME,
                     "version": 1, "license": "Apache-2.0", "python-depends": [],
                     "backend": {"type": backend}}
-        if _reads_digests():  # kernels verifies the files against it (and warns without one)
+        if digest:
             metadata["digest"] = {"algorithm": "sha256", "files": {"__init__.py": _sha256_b64(_INIT.encode())}}
         (variant_dir / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
         (variant_dir / "__init__.py").write_text(_INIT)
