@@ -78,7 +78,10 @@ class TableCache:
         with self._lock:
             found = self._entries.get(key)
             if found is None:
-                found = build_tables(freqs, rows, device)
+                # never inference tensors, though the first call may run under inference_mode:
+                # a later training call saves them for backward
+                with torch.inference_mode(False):
+                    found = build_tables(freqs, rows, device)
                 self._insert(key, found)
         return found
 

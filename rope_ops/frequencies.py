@@ -315,14 +315,17 @@ class Frequencies:
 
     def __init__(self, inv_freq: torch.Tensor, attention_factor: float, rope_type: str = "default",
                  per_length: bool = False):
-        self.inv_freq = inv_freq.to(torch.float64).contiguous()
+        # long-lived (tables and modules share them), so never inference tensors, even when
+        # built under inference_mode: a later training call saves their tables for backward
+        with torch.inference_mode(False):
+            self.inv_freq = inv_freq.to(torch.float64).clone()
+            self.freq_turns = freq_turns_of(self.inv_freq)
         self.rotary_dim = 2 * self.inv_freq.numel()
         self.attention_factor = float(attention_factor)
         self.rope_type = rope_type
         # Derived for one sequence length (dynamic NTK past max_position): a new length gives
         # new frequencies, so such frequencies get no table (every row on the fly).
         self.per_length = per_length
-        self.freq_turns = freq_turns_of(self.inv_freq)
         digest = hashlib.blake2b(self.inv_freq.numpy().tobytes(), digest_size=12)
         digest.update(repr(self.attention_factor).encode())
         self.key = f"r{self.rotary_dim}-{digest.hexdigest()}"

@@ -260,7 +260,8 @@ class _EmptyTables(dict):
     def get(self, device):
         found = super().get(device)
         if found is None:
-            found = self[device] = torch.empty(0, 1, device=device)
+            with torch.inference_mode(False):  # kept and saved for backward: never an inference tensor
+                found = self[device] = torch.empty(0, 1, device=device)
         return found
 
 

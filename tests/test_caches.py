@@ -95,3 +95,40 @@ def test_functional_plans_forget_dropped_tables():
     assert not _plans.FUNCTIONAL._plans
     gc.collect()
     assert table() is None
+
+
+def test_caches_first_filled_under_inference_mode_serve_training():
+    """What the first call caches (frequencies, tables, the empty table of a call without
+    rotation) outlives it: filled under torch.inference_mode, it must still serve a training
+    call, whose backward saves it, with gradients equal to a fresh process's."""
+    from rope_ops._reference import rope_reference
+
+    base = 7777.0  # a table no other test builds first
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(5, 4 * 16, generator=gen)  # float32: every CPU backend takes it
+    w = torch.rand(16, generator=gen) + 0.5
+    pos = torch.tensor([0, 3, 1, 7, 2])
+    for backend in ("torch", "cpu"):
+        CACHE.clear()
+        prologue_kw = dict(num_q_heads=2, num_kv_heads=1, head_dim=16, backend=backend)
+        with torch.inference_mode():
+            rope_ops.qkv_prologue(qkv, pos, base=base, q_norm=w, **prologue_kw)
+            rope_ops.qkv_prologue(qkv, None, rotate=False, k_norm=w, **prologue_kw)
+            rope_ops.apply(qkv[:, :32].view(5, 2, 16), None, pos, base=base, layout="thd", backend=backend)
+        x = qkv.clone().requires_grad_(True)
+        q, k, v = rope_ops.qkv_prologue(x, pos, base=base, **prologue_kw)
+        (q.sum() + 2 * k.sum()).backward()
+        inv_freq, _ = compute_inv_freq(16, base)
+        back = rope_reference(torch.ones(5, 3, 16, dtype=torch.float64), pos, layout="thd", rotary_dim=16,
+                              style="neox", inv_freq=inv_freq, inverse=True)  # q's 2 heads, k's 1
+        want = torch.cat([back[:, :2].flatten(1), 2 * back[:, 2:].flatten(1), torch.zeros(5, 16,
+                                                                                          dtype=torch.float64)], 1)
+        torch.testing.assert_close(x.grad.double(), want, rtol=0, atol=1e-5)
+        x = qkv.clone().requires_grad_(True)
+        _, k, _ = rope_ops.qkv_prologue(x, None, rotate=False, k_norm=w, **prologue_kw)
+        k.sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+        q = qkv[:, :32].view(5, 2, 16).clone().requires_grad_(True)
+        out, _ = rope_ops.apply(q, None, pos, base=base, layout="thd", backend=backend)
+        out.sum().backward()
+        assert q.grad is not None
