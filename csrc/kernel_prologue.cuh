@@ -1,8 +1,7 @@
 // The fused attention prologue (prologue.h): QKV split + per-head RMSNorm + rotation + KV-cache
 // write, forward and backward. A flat-family kernel: a group of G lanes (a power of two <= 32,
 // inside one warp) holds one head row, so a row's sum of squares is a shuffle reduction over the
-// group and no shared memory is needed (the backward uses it once per block, to add up the
-// weights' gradients).
+// group (the backward's shared memory adds up the weights' gradients once per block).
 //
 // A row is cut into units: rotary units first (NeoX: the E-element vectors at i and R/2 + i, E
 // pairs; GPT-J: 2 NP contiguous elements, NP pairs), then pass-through vectors of E elements.
@@ -13,12 +12,14 @@
 // all the token's rows. v rows are copied (and cached) through the same units.
 //
 // Forward grid: (tokens, splits), blocks of 128 threads; the 128 / G groups of a token's `splits`
-// blocks walk its rows (q, then k, then v: one launch for all of them and the cache write), two
-// rows at a time per lane where it holds one unit (both rows' loads in flight before the first
-// reduction waits on them).
+// blocks walk its rows (q, then k, then v: one launch for all of them and the cache write).
 // Backward: blocks walk tokens (a grid of at most 8 per SM), lanes keep their weight-gradient
 // sums in registers, and each block writes one row of partial sums ([blocks, D], added up by the
 // caller in a fixed order: deterministic).
+// With 16-byte vectors and one unit per lane (the common rows: up to 32 units), a lane's next
+// rows are staged: copied asynchronously into its own ring in shared memory while it computes the
+// current one (the backward's across its tokens), so more bytes are in flight per SM than its
+// registers could hold. Staging changes no value: the same bits as loads into registers.
 #pragma once
 
 #include <float.h>
@@ -33,6 +34,19 @@ namespace {
 
 constexpr int kPrologueThreads = 128;
 constexpr int kPrologueMaxUnits = 128;  // per row: 32 lanes x 4 units
+// Stages of a lane's ring of staged rows (0: loads straight into registers): rows STAGES - 1
+// ahead are in flight while one is computed. H100 (2026-12-07, one run, bit-identical outputs; us
+// for the prefill / in-place prefill / training step of the NOTES table, the same kernels with
+// loads into registers 151.9 / 134.9 / 222.5): forward / backward stages 2 / 3 143.6 / 128.6 /
+// 192.7; 3 / 6 145.8 / 139.9 / 227.0; 4 / 4 161.4 / 151.6 / 234.7; 0 / 4 - / - / 199.3; 8 / 2
+// 163.8 / 153.9 / 203.1. More forward stages than 2 cost more than they gain.
+constexpr int kPrologueForwardStages = 2;
+constexpr int kPrologueBackwardStages = 3;
+
+// Staged: 16-byte vectors and one unit per lane.
+constexpr int prologue_stages(bool staged, bool backward) {
+  return staged ? (backward ? kPrologueBackwardStages : kPrologueForwardStages) : 0;
+}
 
 // What a launch's lanes need to know of the call's shape (host-computed).
 struct PrologueShape {
@@ -57,6 +71,44 @@ struct Elems {
     if constexpr (VB == 16) st_data<HINT_PLAIN>(ptr, pack16<T>(f));
     else *ptr = from_f32<T>(f[0]);
   }
+};
+
+// 16-byte copies from global to shared memory that complete asynchronously (sm_80 and later:
+// cp.async, cached in L2 only), so that bytes in flight hold no registers; elsewhere (older GPUs,
+// the host emulation) a plain copy. A lane waits for its own copies only and reads only what it
+// copied: no barrier.
+ROPE_HD void copy16_async(uint4* dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((unsigned)__cvta_generic_to_shared(dst)),
+               "l"(src)
+               : "memory");
+#else
+  *dst = *static_cast<const uint4*>(src);
+#endif
+}
+
+ROPE_HD void async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most N of the lane's committed groups of copies are still in flight.
+template <int N>
+ROPE_HD void async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// A lane's ring: `stages` stages of `slots` 16-byte vectors, `step` vectors apart (on the GPU,
+// shared memory with the block's threads adjacent in each slot: conflict-free; in the host
+// emulation, the lane's own array with step 1).
+struct LaneRing {
+  uint4* base;
+  int step;
+  int slots;
+  ROPE_HD uint4* stage(int i) const { return base + (int64_t)i * slots * step; }
 };
 
 // float8 e4m3 of x, saturating to +-448; NaN stays NaN (SPEC: float8 cache and q).
@@ -124,6 +176,30 @@ struct PrologueUnits {
     vectors(sh, R, u, [&](int64_t off, int at) { X::load(row + off, x + at); });
   }
 
+  // Vectors per unit (16-byte vectors): a ring stage's slots for one row of the lane's unit.
+  static constexpr int V = NEOX ? 2 : 1;
+
+  // Copies unit u's vectors of `row` into a ring stage (16-byte vectors), slot at / E.
+  static ROPE_HD void stage(uint4* slots, int step, const T* row, const PrologueShape& sh, int64_t R,
+                            int u) {
+    static_assert(VB == 16, "staged rows are 16-byte vectors");
+    vectors(sh, R, u, [&](int64_t off, int at) { copy16_async(slots + (at / E) * step, row + off); });
+  }
+
+  // load() from the staged copies.
+  static ROPE_HD void load_staged(const uint4* slots, int step, const PrologueShape& sh, int64_t R,
+                                  int u, float* x) {
+    vectors(sh, R, u, [&](int64_t, int at) { unpack16<T>(slots[(at / E) * step], x + at); });
+  }
+
+  static ROPE_HD float sum_sq(const PrologueShape& sh, int u, const float* x, float sum) {
+    const int n = count(sh, u);
+#pragma unroll
+    for (int j = 0; j < W; ++j)
+      if (j < n) sum = fmaf(x[j], x[j], sum);
+    return sum;
+  }
+
   static ROPE_HD void store(T* row, const PrologueShape& sh, int64_t R, int u, const float* x) {
     vectors(sh, R, u, [&](int64_t off, int at) { X::store(row + off, x + at); });
   }
@@ -153,11 +229,7 @@ struct PrologueUnits {
   static ROPE_HD float load_sum_sq(const T* row, const PrologueShape& sh, int64_t R, int u, float* x,
                                    float sum) {
     load(row, sh, R, u, x);
-    const int n = count(sh, u);
-#pragma unroll
-    for (int j = 0; j < W; ++j)
-      if (j < n) sum = fmaf(x[j], x[j], sum);
-    return sum;
+    return sum_sq(sh, u, x, sum);
   }
 
   // The rotation of a rotary unit by (c, s) (s already negated for the backward).
@@ -201,11 +273,11 @@ ROPE_HD int row_kind(const RopePrologueParams& p, int row, int& head) {
 }
 
 // One lane of the forward: a token's units l, l + G, ... of the rows its group walks, one row
-// at a time. One row in flight: occupancy wins over more rows (their loads issued back to back
-// before the first reduction). bf16 D 128, one unit per lane, H200 (2026-12-02), us per call
-// for a 16384-token prefill / 256-token decode with a cache write: 1 row 126.2 / 5.02 (72
-// registers), 2 rows 158.1 / 6.08 (91), 4 rows 180.2 / 7.09 (126), 6 rows 248.3 / 7.56 (168);
-// 1 row capped at 64 registers (8 blocks per SM) 126.8 / 5.25.
+// in registers at a time (further rows in flight are staged in shared memory, not held in
+// registers: more rows in registers cost more occupancy than they gained. bf16 D 128, one unit
+// per lane, H200 (2026-12-02), us per call for a 16384-token prefill / 256-token decode with a
+// cache write: 1 row 126.2 / 5.02 (72 registers), 2 rows 158.1 / 6.08 (91), 4 rows 180.2 / 7.09
+// (126), 6 rows 248.3 / 7.56 (168).)
 template <typename T, bool NEOX, int VB, int U, class A>
 struct PrologueLane {
   using Units = PrologueUnits<T, NEOX, VB>;
@@ -249,8 +321,7 @@ struct PrologueLane {
     active = row < sh.n_rows;
     float part = 0.f;
     if (!active) return part;
-    const T* src = static_cast<const T*>(p.qkv) + b * p.qkv_stride_b + s * p.qkv_stride_s +
-                   (int64_t)row * p.rope.D;
+    const T* src = qkv_row(p, row);
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int u = unit(sh, k);
@@ -258,6 +329,28 @@ struct PrologueLane {
       part = Units::load_sum_sq(src, sh, p.rope.R, u, x[k], part);
     }
     return part;
+  }
+
+  ROPE_HD const T* qkv_row(const RopePrologueParams& p, int r) const {
+    return static_cast<const T*>(p.qkv) + b * p.qkv_stride_b + s * p.qkv_stride_s + (int64_t)r * p.rope.D;
+  }
+
+  // Staged rows (16-byte vectors, one unit per lane): copies row i of the walk into a ring stage.
+  ROPE_HD void stage_row(const RopePrologueParams& p, const PrologueShape& sh, int i, uint4* slots,
+                         int step) const {
+    const int r = group + i * sh.group_stride, u = unit(sh, 0);
+    if (r < sh.n_rows && u < sh.n_units) Units::stage(slots, step, qkv_row(p, r), sh, p.rope.R, u);
+  }
+
+  // load_row() from the stage that holds row i.
+  ROPE_HD float load_staged_row(const RopePrologueParams& p, const PrologueShape& sh, int i,
+                                const uint4* slots, int step) {
+    row = group + i * sh.group_stride;
+    active = row < sh.n_rows;
+    const int u = unit(sh, 0);
+    if (!active || u >= sh.n_units) return 0.f;
+    Units::load_staged(slots, step, sh, p.rope.R, u, x[0]);
+    return Units::sum_sq(sh, u, x[0], 0.f);
   }
 
   // The loaded row's norm, rotation and stores; sum_sq: its sum of squares.
@@ -327,16 +420,38 @@ struct PrologueLane {
   }
 };
 
+// Shared memory of the prologue kernels: the lanes' rings, then (backward) the block's sums.
+extern __shared__ uint4 prologue_smem[];
+
 template <typename T, bool NEOX, int VB, int U, class A>
 __global__ void __launch_bounds__(kPrologueThreads)
     rope_prologue_kernel(const RopePrologueParams p, const PrologueShape sh) {
-  PrologueLane<T, NEOX, VB, U, A> lane(p, sh, blockIdx.x, blockIdx.y * (kPrologueThreads >> sh.g_log2),
-                                       threadIdx.x);
+  using Lane = PrologueLane<T, NEOX, VB, U, A>;
+  constexpr int ST = prologue_stages(VB == 16 && U == 1, false);
+  Lane lane(p, sh, blockIdx.x, blockIdx.y * (kPrologueThreads >> sh.g_log2), threadIdx.x);
   wait_for_previous_grid();
-  lane.load_token(p, sh);
-  for (int i = 0; i < sh.row_iters; ++i) {  // the same count for every lane: shuffles stay uniform
-    const float part = lane.load_row(p, sh, i);
-    lane.finish_loaded_row(p, sh, group_sum(part, sh.G));
+  if constexpr (ST == 0) {
+    lane.load_token(p, sh);
+    for (int i = 0; i < sh.row_iters; ++i) {  // the same count for every lane: shuffles stay uniform
+      const float part = lane.load_row(p, sh, i);
+      lane.finish_loaded_row(p, sh, group_sum(part, sh.G));
+    }
+  } else {
+    // the first rows' copies issued before the token's position -> cos/sin chain
+    const LaneRing ring{prologue_smem + threadIdx.x, kPrologueThreads, Lane::Units::V};
+    for (int i = 0; i < ST - 1; ++i) {
+      if (i < sh.row_iters) lane.stage_row(p, sh, i, ring.stage(i), ring.step);
+      async_commit();
+    }
+    lane.load_token(p, sh);
+    for (int i = 0; i < sh.row_iters; ++i) {
+      const int ahead = i + ST - 1;
+      if (ahead < sh.row_iters) lane.stage_row(p, sh, ahead, ring.stage(ahead % ST), ring.step);
+      async_commit();
+      async_wait<ST - 1>();  // row i's copies have landed
+      const float part = lane.load_staged_row(p, sh, i, ring.stage(i % ST), ring.step);
+      lane.finish_loaded_row(p, sh, group_sum(part, sh.G));
+    }
   }
 }
 
@@ -405,6 +520,51 @@ struct PrologueGradLane {
     return sum;
   }
 
+  // Staged rows (16-byte vectors, one unit per lane): copies row i's output gradient and, where
+  // it is normalised, its input into a ring stage (slots: gradient vectors, then input vectors);
+  // (pb, ps): the token of that row, ahead of the lane's.
+  ROPE_HD void stage_row(const RopePrologueParams& p, const PrologueShape& sh, int64_t pb, int64_t ps,
+                         int i, uint4* slots, int step) const {
+    const int r = group + i * sh.group_stride, u = unit(sh, 0);
+    if (r >= sh.n_rows || u >= sh.n_units) return;
+    int h;
+    const int kd = row_kind(p, r, h);
+    const int64_t R = p.rope.R;
+    const T* gsrc = static_cast<const T*>(p.grad[kd]);
+    if (gsrc != nullptr)
+      Units::stage(slots, step,
+                   gsrc + pb * p.grad_stride[kd][0] + ps * p.grad_stride[kd][1] + h * p.grad_stride[kd][2], sh,
+                   R, u);
+    if (kd < 2 && (kd == 0 ? p.q_weight : p.k_weight) != nullptr)
+      Units::stage(slots + Units::V * step, step,
+                   static_cast<const T*>(p.qkv) + pb * p.qkv_stride_b + ps * p.qkv_stride_s + (int64_t)r * p.rope.D,
+                   sh, R, u);
+  }
+
+  // load_row() from the stage that holds row i.
+  ROPE_HD float load_staged_row(const RopePrologueParams& p, const PrologueShape& sh, int i,
+                                const uint4* slots, int step) {
+    row = group + i * sh.group_stride;
+    active = row < sh.n_rows;
+    normed = false;
+    if (!active) return 0.f;
+    kind = row_kind(p, row, head);
+    normed = kind < 2 && (kind == 0 ? p.q_weight : p.k_weight) != nullptr;
+    const int u = unit(sh, 0);
+    if (u >= sh.n_units) return 0.f;
+    const int64_t R = p.rope.R;
+    if (p.grad[kind] != nullptr) {
+      Units::load_staged(slots, step, sh, R, u, g[0]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < W; ++j) g[0][j] = 0.f;
+    }
+    if (kind < 2 && u < sh.n_rot) Units::rotate(g[0], c[0], sn[0]);
+    if (!normed) return 0.f;
+    Units::load_staged(slots + Units::V * step, step, sh, R, u, n[0]);
+    return Units::sum_sq(sh, u, n[0], 0.f);
+  }
+
   // n = x * rstd, the weight-gradient sums, g = g * (offset + w); returns the lane's part of
   // sum(g * n).
   ROPE_HD float norm_row(const RopePrologueParams& p, const PrologueShape& sh, float sum_sq) {
@@ -468,6 +628,37 @@ struct PrologueGradLane {
   }
 };
 
+// The backward's staging, ST - 1 row iterations ahead of the lane's walk across its block's
+// tokens (first, first + stride, ...): the next (token, row iteration) to stage, and its stage.
+struct StagedWalk {
+  int64_t token, b, s;
+  int i = 0, stage = 0;
+
+  ROPE_HD StagedWalk(const RopeParams& r, int64_t first) : token(first) { split(r); }
+
+  ROPE_HD void split(const RopeParams& r) {
+    b = token / r.S;
+    s = token - b * r.S;
+  }
+
+  // Stages the next row iteration, if any, and commits one group of copies (empty or not: the
+  // consumer's wait counts groups).
+  template <int ST, class Lane>
+  ROPE_HD void stage_next(const RopePrologueParams& p, const PrologueShape& sh, const Lane& lane,
+                          const LaneRing& ring, int64_t tokens, int64_t stride) {
+    if (token < tokens) {
+      lane.stage_row(p, sh, b, s, i, ring.stage(stage), ring.step);
+      if (++i == sh.row_iters) {
+        i = 0;
+        token += stride;
+        split(p.rope);
+      }
+    }
+    async_commit();
+    stage = stage + 1 == ST ? 0 : stage + 1;
+  }
+};
+
 // Thread t's share of a block's partial sums: element d (t, t + 128, ...) of the block's row,
 // the groups' rows of the scratch added in order.
 ROPE_HD void add_group_sums(const float* scratch, int groups, int64_t D, int thread, float* out_row) {
@@ -481,17 +672,39 @@ ROPE_HD void add_group_sums(const float* scratch, int groups, int64_t D, int thr
 template <typename T, bool NEOX, int VB, int U, class A>
 __global__ void __launch_bounds__(kPrologueThreads)
     rope_prologue_backward_kernel(const RopePrologueParams p, const PrologueShape sh) {
-  extern __shared__ float scratch[];  // [groups, D]: the block's weight-gradient sums
-  PrologueGradLane<T, NEOX, VB, U, A> lane(sh, threadIdx.x);
+  using Lane = PrologueGradLane<T, NEOX, VB, U, A>;
+  constexpr int ST = prologue_stages(VB == 16 && U == 1, true);
+  float* scratch = reinterpret_cast<float*>(prologue_smem);  // [groups, D]: the block's sums, after the walk
+  Lane lane(sh, threadIdx.x);
   wait_for_previous_grid();
   const int64_t tokens = p.rope.B * p.rope.S;
-  for (int64_t token = blockIdx.x; token < tokens; token += gridDim.x) {
-    lane.load_token(p, sh, token);
-    for (int i = 0; i < sh.row_iters; ++i) {
-      const float sum_sq = group_sum(lane.load_row(p, sh, i), sh.G);
-      const float dot = group_sum(lane.norm_row(p, sh, sum_sq), sh.G);
-      lane.finish_row(p, sh, dot);
+  if constexpr (ST == 0) {
+    for (int64_t token = blockIdx.x; token < tokens; token += gridDim.x) {
+      lane.load_token(p, sh, token);
+      for (int i = 0; i < sh.row_iters; ++i) {
+        const float sum_sq = group_sum(lane.load_row(p, sh, i), sh.G);
+        const float dot = group_sum(lane.norm_row(p, sh, sum_sq), sh.G);
+        lane.finish_row(p, sh, dot);
+      }
     }
+  } else {
+    const LaneRing ring{prologue_smem + threadIdx.x, kPrologueThreads, 2 * Lane::Units::V};
+    StagedWalk ahead(p.rope, blockIdx.x);
+    for (int k = 0; k < ST - 1; ++k) ahead.stage_next<ST>(p, sh, lane, ring, tokens, gridDim.x);
+    int stage = 0;
+    for (int64_t token = blockIdx.x; token < tokens; token += gridDim.x) {
+      lane.load_token(p, sh, token);
+      for (int i = 0; i < sh.row_iters; ++i) {
+        ahead.stage_next<ST>(p, sh, lane, ring, tokens, gridDim.x);
+        async_wait<ST - 1>();  // row i's copies have landed
+        const float sum_sq = group_sum(lane.load_staged_row(p, sh, i, ring.stage(stage), ring.step), sh.G);
+        const float dot = group_sum(lane.norm_row(p, sh, sum_sq), sh.G);
+        lane.finish_row(p, sh, dot);
+        stage = stage + 1 == ST ? 0 : stage + 1;
+      }
+    }
+    // No copy is in flight (none is staged past the walk); the rings become the scratch.
+    __syncthreads();
   }
   const int groups = kPrologueThreads >> sh.g_log2;
   if (p.q_weight_partials != nullptr) {
@@ -516,7 +729,7 @@ struct ProloguePlan {
   int units_per_lane; // U: 1 or 4
   int64_t blocks;     // grid x: tokens (forward) or token-walking blocks (backward)
   int splits;         // grid y (forward)
-  int smem_bytes;     // backward: [groups, D] floats
+  int smem_bytes;     // the lanes' rings; backward: at least [groups, D] floats
 };
 
 inline bool prologue_params_ok(const RopePrologueParams& p) {
@@ -584,6 +797,13 @@ inline int64_t prologue_units(const RopeParams& r, int64_t E, int64_t& n_rot) {
   return n_rot + (r.D - r.R) / E;
 }
 
+// Shared memory of the lanes' rings: stages x (gradient and) input vectors of a unit x threads.
+inline int prologue_ring_bytes(const ProloguePlan& plan, const RopeParams& r, bool backward) {
+  const int stages = prologue_stages(plan.vec16 && plan.units_per_lane == 1, backward);
+  const int vectors = r.interleaved ? 1 : 2;
+  return stages * (backward ? 2 : 1) * vectors * kPrologueThreads * 16;
+}
+
 inline bool plan_prologue(const RopePrologueParams& p, const RopeDevice& dev, bool backward,
                           ProloguePlan& plan) {
   const RopeParams& r = p.rope;
@@ -618,14 +838,16 @@ inline bool plan_prologue(const RopePrologueParams& p, const RopeDevice& dev, bo
     if (plan.splits < 1) plan.splits = 1;
     sh.group_stride = (int)(groups * plan.splits);
     plan.blocks = tokens;
-    plan.smem_bytes = 0;
+    plan.smem_bytes = prologue_ring_bytes(plan, r, false);
     if (tokens >= (int64_t(1) << 31)) return false;
   } else {
     sh.n_rows = (int)(p.Hq + 2 * p.Hk);
     sh.group_stride = (int)groups;
     plan.splits = 1;
     plan.blocks = tokens < 8 * sms ? tokens : 8 * sms;
-    plan.smem_bytes = (int)(groups * r.D * (int64_t)sizeof(float));
+    const int64_t sums = groups * r.D * (int64_t)sizeof(float);
+    const int64_t ring = prologue_ring_bytes(plan, r, true);
+    plan.smem_bytes = (int)(sums > ring ? sums : ring);
   }
   sh.row_iters = (int)((sh.n_rows + sh.group_stride - 1) / sh.group_stride);
   return true;

@@ -75,8 +75,8 @@ struct Launcher {
   template <typename T, bool NEOX, int VB, int U, class A>
   cudaError_t prologue(const RopePrologueParams& p, const ProloguePlan& plan) {
     return launch_kernel_grid(rope_prologue_kernel<T, NEOX, VB, U, A>,
-                              dim3((unsigned)plan.blocks, (unsigned)plan.splits), kPrologueThreads, 0,
-                              pdl, stream, p, plan.sh);
+                              dim3((unsigned)plan.blocks, (unsigned)plan.splits), kPrologueThreads,
+                              plan.smem_bytes, pdl, stream, p, plan.sh);
   }
 
   template <typename T, bool NEOX, int VB, int U, class A>

@@ -149,13 +149,18 @@ struct Emulator {
     return cudaSuccess;
   }
 
-  // rope_prologue_kernel, warp by warp, each row's loads, group sums, then stores.
+  // rope_prologue_kernel, warp by warp, each row's loads, group sums, then stores; staged rows
+  // through each lane's own ring (copies complete at once), in the kernel's order.
   template <typename T, bool NEOX, int VB, int U, class A>
   cudaError_t prologue(const RopePrologueParams& p, const ProloguePlan& plan) {
     using Lane = PrologueLane<T, NEOX, VB, U, A>;
+    constexpr int ST = prologue_stages(VB == 16 && U == 1, false);
+    constexpr int SLOTS = Lane::Units::V;
     record_prologue<T, NEOX, VB, U>("prologue");
     const PrologueShape& sh = plan.sh;
     const int groups = kPrologueThreads >> sh.g_log2;
+    std::vector<uint4> rings((size_t)32 * (ST > 0 ? ST : 1) * SLOTS);
+    const auto ring_of = [&](int l) { return LaneRing{rings.data() + (size_t)l * (ST > 0 ? ST : 1) * SLOTS, 1, SLOTS}; };
     for (long long token = 0; token < plan.blocks; ++token)
       for (int y = 0; y < plan.splits; ++y)
         for (int w = 0; w < kPrologueThreads; w += 32) {
@@ -163,11 +168,21 @@ struct Emulator {
           lanes.reserve(32);
           for (int l = 0; l < 32; ++l) {
             lanes.emplace_back(p, sh, token, y * groups, w + l);
+            if constexpr (ST > 0)
+              for (int i = 0; i < ST - 1 && i < sh.row_iters; ++i) lanes[l].stage_row(p, sh, i, ring_of(l).stage(i), 1);
             lanes[l].load_token(p, sh);
           }
           for (int i = 0; i < sh.row_iters; ++i) {
             float part[32];
-            for (int l = 0; l < 32; ++l) part[l] = lanes[l].load_row(p, sh, i);
+            for (int l = 0; l < 32; ++l) {
+              if constexpr (ST > 0) {
+                const int ahead = i + ST - 1;
+                if (ahead < sh.row_iters) lanes[l].stage_row(p, sh, ahead, ring_of(l).stage(ahead % ST), 1);
+                part[l] = lanes[l].load_staged_row(p, sh, i, ring_of(l).stage(i % ST), 1);
+              } else {
+                part[l] = lanes[l].load_row(p, sh, i);
+              }
+            }
             emulate_group_sum(part, sh.G);
             for (int l = 0; l < 32; ++l) lanes[l].finish_loaded_row(p, sh, part[l]);
           }
@@ -175,32 +190,56 @@ struct Emulator {
     return cudaSuccess;
   }
 
-  // rope_prologue_backward_kernel: each block's lanes over its tokens, then its partial sums.
+  // rope_prologue_backward_kernel: each block's lanes over its tokens, then its partial sums;
+  // staged rows as in the forward, each lane's staging walk ahead of it as in the kernel.
   template <typename T, bool NEOX, int VB, int U, class A>
   cudaError_t prologue_backward(const RopePrologueParams& p, const ProloguePlan& plan) {
     using Lane = PrologueGradLane<T, NEOX, VB, U, A>;
+    constexpr int ST = prologue_stages(VB == 16 && U == 1, true);
+    constexpr int SLOTS = 2 * Lane::Units::V;
     record_prologue<T, NEOX, VB, U>("prologue_backward");
     const PrologueShape& sh = plan.sh;
     const int groups = kPrologueThreads >> sh.g_log2;
     const long long tokens = p.rope.B * p.rope.S;
     std::vector<float> scratch((size_t)groups * p.rope.D);
+    std::vector<uint4> rings((size_t)kPrologueThreads * (ST > 0 ? ST : 1) * SLOTS);
+    const auto ring_of = [&](int t) {
+      return LaneRing{rings.data() + (size_t)t * (ST > 0 ? ST : 1) * SLOTS, 1, SLOTS};
+    };
     for (long long bid = 0; bid < plan.blocks; ++bid) {
       std::vector<Lane> lanes;
+      std::vector<StagedWalk> walks;
       lanes.reserve(kPrologueThreads);
-      for (int t = 0; t < kPrologueThreads; ++t) lanes.emplace_back(sh, t);
-      for (long long token = bid; token < tokens; token += plan.blocks)
+      for (int t = 0; t < kPrologueThreads; ++t) {
+        lanes.emplace_back(sh, t);
+        walks.emplace_back(p.rope, bid);
+        if constexpr (ST > 0)
+          for (int k = 0; k < ST - 1; ++k)
+            walks[t].template stage_next<ST>(p, sh, lanes[t], ring_of(t), tokens, plan.blocks);
+      }
+      int stage = 0;
+      for (long long token = bid; token < tokens; token += plan.blocks) {
         for (int w = 0; w < kPrologueThreads; w += 32) {
           Lane* warp = &lanes[w];
           for (int l = 0; l < 32; ++l) warp[l].load_token(p, sh, token);
           for (int i = 0; i < sh.row_iters; ++i) {
             float part[32];
-            for (int l = 0; l < 32; ++l) part[l] = warp[l].load_row(p, sh, i);
+            for (int l = 0; l < 32; ++l) {
+              if constexpr (ST > 0) {
+                walks[w + l].template stage_next<ST>(p, sh, warp[l], ring_of(w + l), tokens, plan.blocks);
+                part[l] = warp[l].load_staged_row(p, sh, i, ring_of(w + l).stage((stage + i) % ST), 1);
+              } else {
+                part[l] = warp[l].load_row(p, sh, i);
+              }
+            }
             emulate_group_sum(part, sh.G);
             for (int l = 0; l < 32; ++l) part[l] = warp[l].norm_row(p, sh, part[l]);
             emulate_group_sum(part, sh.G);
             for (int l = 0; l < 32; ++l) warp[l].finish_row(p, sh, part[l]);
           }
         }
+        if constexpr (ST > 0) stage = (stage + sh.row_iters) % ST;
+      }
       if (p.q_weight_partials != nullptr) {
         for (int t = 0; t < kPrologueThreads; ++t) lanes[t].template put_sums<true>(p, sh, scratch.data());
         for (int t = 0; t < kPrologueThreads; ++t)
