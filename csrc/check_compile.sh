@@ -80,13 +80,15 @@ for cu in "$here"/*.cu; do
             else if (kern ~ /rope_lean_kernel/) n = split("ld.global.v4 st.global.v4 " pos_cs, need, " ")
             else if (kern ~ /rope_rows_kernel/) n = split("ld.global.v4 st.global.cs.v4 " pos_cs, need, " ")
             # prologue kernels: template <T, NEOX, VB, U, Angles>; VB 16 ("Li16E") moves 16-byte
-            # vectors of qkv and its outputs; every one loads positions (and the forward slots)
+            # vectors of qkv and its outputs, with one unit per lane ("Li1E") staged by cp.async;
+            # every one loads positions (and the forward slots)
+            else if (kern ~ /rope_prologue(_backward)?_kernel.*ELi16ELi1E/) n = split("cp.async.cg.shared.global cp.async.wait_group st.global.v4 ld.global.nc.s32 ld.global.nc.s64", need, " ")
             else if (kern ~ /rope_prologue(_backward)?_kernel.*ELi16ELi[0-9]+E/) n = split("ld.global.v4 st.global.v4 ld.global.nc.s32 ld.global.nc.s64", need, " ")
             else if (kern ~ /rope_prologue(_backward)?_kernel/) n = split("ld.global.nc.s32 ld.global.nc.s64", need, " ")
             else if (kern ~ /rope_generic_kernel/) n = split(angles " ld.global.nc.f32 st.global", need, " ")
             else n = 0
             for (i = 1; i <= n; i++) if (index(body, need[i]) == 0) { print "missing " need[i] " in " kern; bad = 1 }
-            if (kern ~ /rope_/ && body !~ /ld\.global\.nc(\.v[24])?\.f32/) { print "no cos/sin table load in " kern; bad = 1 }
+            if (kern ~ /rope_/ && kern !~ /weight_grad/ && body !~ /ld\.global\.nc(\.v[24])?\.f32/) { print "no cos/sin table load in " kern; bad = 1 }
             if (index(body, "call") != 0 && kern ~ /rope_/) { print "unexpected call in " kern; bad = 1 }
             # data moves as whole vectors only: nvcc once split a plain uint4 store into four
             # 32-bit stores in the flat kernel (3-4 % slower on the H200), with no warning

@@ -41,7 +41,7 @@ constexpr int kPrologueMaxUnits = 128;  // per row: 32 lanes x 4 units
 // 192.7; 3 / 6 145.8 / 139.9 / 227.0; 4 / 4 161.4 / 151.6 / 234.7; 0 / 4 - / - / 199.3; 8 / 2
 // 163.8 / 153.9 / 203.1. More forward stages than 2 cost more than they gain.
 constexpr int kPrologueForwardStages = 2;
-constexpr int kPrologueBackwardStages = 3;
+constexpr int kPrologueBackwardStages = 2;
 
 // Staged: 16-byte vectors and one unit per lane.
 constexpr int prologue_stages(bool staged, bool backward) {
@@ -720,6 +720,41 @@ __global__ void __launch_bounds__(kPrologueThreads)
   }
 }
 
+// The weights' gradients from the backward's [rows, D] partial sums: a block of 32 columns x 32
+// row lanes per weight and 32 columns; row lane r adds rows r, r + 32, ... and the column's 32
+// lane sums are added in order: the same bits every run, in two launches' time rather than a
+// general reduction's.
+constexpr int kWeightGradCols = 32;
+constexpr int kWeightGradRowLanes = 32;
+
+ROPE_HD float weight_grad_lane_sum(const float* partials, int64_t rows, int64_t D, int64_t d, int lane) {
+  float sum = 0.f;
+  for (int64_t i = lane; i < rows; i += kWeightGradRowLanes) sum += partials[i * D + d];
+  return sum;
+}
+
+ROPE_HD float weight_grad_total(const float (&lanes)[kWeightGradRowLanes][kWeightGradCols + 1], int c) {
+  float total = 0.f;
+#pragma unroll
+  for (int r = 0; r < kWeightGradRowLanes; ++r) total += lanes[r][c];
+  return total;
+}
+
+// Grid (ceil(D / 32), 2): y 0 q's weight, 1 k's.
+__global__ void __launch_bounds__(kWeightGradCols * kWeightGradRowLanes)
+    rope_prologue_weight_grad_kernel(const RopePrologueParams p, int64_t rows) {
+  __shared__ float lanes[kWeightGradRowLanes][kWeightGradCols + 1];
+  const float* partials = blockIdx.y == 0 ? p.q_weight_partials : p.k_weight_partials;
+  float* out = blockIdx.y == 0 ? p.q_weight_grad : p.k_weight_grad;
+  wait_for_previous_grid();
+  if (partials == nullptr || out == nullptr) return;  // the whole block
+  const int c = threadIdx.x % kWeightGradCols, r = threadIdx.x / kWeightGradCols;
+  const int64_t D = p.rope.D, d = (int64_t)blockIdx.x * kWeightGradCols + c;
+  lanes[r][c] = d < D ? weight_grad_lane_sum(partials, rows, D, d, r) : 0.f;
+  __syncthreads();
+  if (r == 0 && d < D) out[d] = weight_grad_total(lanes, c);
+}
+
 // ------------------------------------------------------------------------------------------------
 // Host: the launch plan and the dispatch to the kernel templates.
 
@@ -881,17 +916,24 @@ cudaError_t run_prologue(const RopePrologueParams& p, const RopeDevice& dev, boo
   // Position tables only (prologue_params_ok): the other sources are not instantiated here.
   using A = TableAngles;
   const bool neox = p.rope.interleaved == 0;
+  cudaError_t err;
   switch (p.rope.dtype) {
     case ROPE_F32:
-      return neox ? run_prologue_typed<float, true, A>(p, plan, backward, exec)
-                  : run_prologue_typed<float, false, A>(p, plan, backward, exec);
+      err = neox ? run_prologue_typed<float, true, A>(p, plan, backward, exec)
+                 : run_prologue_typed<float, false, A>(p, plan, backward, exec);
+      break;
     case ROPE_F16:
-      return neox ? run_prologue_typed<__half, true, A>(p, plan, backward, exec)
-                  : run_prologue_typed<__half, false, A>(p, plan, backward, exec);
+      err = neox ? run_prologue_typed<__half, true, A>(p, plan, backward, exec)
+                 : run_prologue_typed<__half, false, A>(p, plan, backward, exec);
+      break;
     default:
-      return neox ? run_prologue_typed<__nv_bfloat16, true, A>(p, plan, backward, exec)
-                  : run_prologue_typed<__nv_bfloat16, false, A>(p, plan, backward, exec);
+      err = neox ? run_prologue_typed<__nv_bfloat16, true, A>(p, plan, backward, exec)
+                 : run_prologue_typed<__nv_bfloat16, false, A>(p, plan, backward, exec);
   }
+  const bool sums = (p.q_weight_partials != nullptr && p.q_weight_grad != nullptr) ||
+                    (p.k_weight_partials != nullptr && p.k_weight_grad != nullptr);
+  if (err != cudaSuccess || !backward || !sums) return err;
+  return exec.prologue_weight_grads(p, plan.blocks);
 }
 
 }  // namespace

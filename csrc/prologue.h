@@ -6,9 +6,8 @@
 // x * (1 / sqrt(mean(x^2) + eps)) * (weight_offset + w) where that head kind's weight is given,
 // then the rotation of rope.h (RopeParams' angle fields; R == 0: no rotation). float32 math, one
 // rounding to the output dtype; a float8 e4m3 cache (and q, with q_scale) holds value / scale
-// rounded once, saturated to +-448 (NaN stays NaN). The backward gives grad_qkv and per-block
-// partial sums of the weights' gradients (the binding adds them up in a fixed order:
-// deterministic).
+// rounded once, saturated to +-448 (NaN stays NaN). The backward gives grad_qkv and the weights'
+// gradients: per-block partial sums, then added up in a fixed order (deterministic).
 #pragma once
 
 #include <stdint.h>
@@ -63,6 +62,10 @@ typedef struct RopePrologueParams {
   int64_t grad_qkv_stride_b, grad_qkv_stride_s;
   float* q_weight_partials;
   float* k_weight_partials;
+  // The weights' gradients [D] float32, the partial rows added up by a second launch (null: left
+  // as partial sums, where that weight's partials are given).
+  float* q_weight_grad;
+  float* k_weight_grad;
 } RopePrologueParams;
 
 // 1 when the prologue kernels can take the call (vectors or single elements, head rows of at

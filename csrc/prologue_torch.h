@@ -268,13 +268,19 @@ py::object prologue_backward(py::handle args, const OptTensor& grad_q, const Opt
                        : Tensor();
   };
   const Tensor q_partials = partials(c.q_weight), k_partials = partials(c.k_weight);
-  p.q_weight_partials = q_partials.defined() ? q_partials.data_ptr<float>() : nullptr;
-  p.k_weight_partials = k_partials.defined() ? k_partials.data_ptr<float>() : nullptr;
+  const auto grad_of = [&](const Tensor& w) {
+    return w.defined() ? Platform::empty_strided({c.head_dim}, {1}, at::kFloat, qkv.device()) : Tensor();
+  };
+  const Tensor q_grad = grad_of(c.q_weight), k_grad = grad_of(c.k_weight);
+  const auto ptr = [](const Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+  p.q_weight_partials = ptr(q_partials);
+  p.k_weight_partials = ptr(k_partials);
+  p.q_weight_grad = ptr(q_grad);  // the partial rows added up in a fixed order: the same bits every run
+  p.k_weight_grad = ptr(k_grad);
   const cudaError_t err = rope_prologue_backward_launch(&p, &scope.dev, scope.stream);
   TORCH_CHECK(err == cudaSuccess, "rope_ops_cuda: prologue backward launch failed: ", cudaGetErrorString(err));
-  // the blocks' partial sums added in a fixed order: the same bits every run
-  const auto total = [](const Tensor& t) { return t.defined() ? py::cast(t.sum(0)) : py::none(); };
-  return py::make_tuple(grad_qkv, total(q_partials), total(k_partials));
+  const auto grad_or_none = [](const Tensor& t) { return t.defined() ? py::cast(t) : py::none(); };
+  return py::make_tuple(grad_qkv, grad_or_none(q_grad), grad_or_none(k_grad));
 }
 
 template <class Platform>

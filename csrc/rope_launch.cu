@@ -84,6 +84,12 @@ struct Launcher {
     return launch_kernel_grid(rope_prologue_backward_kernel<T, NEOX, VB, U, A>, dim3((unsigned)plan.blocks),
                               kPrologueThreads, plan.smem_bytes, pdl, stream, p, plan.sh);
   }
+
+  cudaError_t prologue_weight_grads(const RopePrologueParams& p, int64_t rows) {
+    const unsigned cols = (unsigned)((p.rope.D + kWeightGradCols - 1) / kWeightGradCols);
+    return launch_kernel_grid(rope_prologue_weight_grad_kernel, dim3(cols, 2),
+                              kWeightGradCols * kWeightGradRowLanes, 0, pdl, stream, p, rows);
+  }
 };
 
 inline Launcher make_executor(cudaStream_t stream, bool pdl) { return Launcher{stream, pdl}; }

@@ -39,7 +39,7 @@ def every_prologue_kernel() -> set[str]:
     return {f"{kind}<{dtype},{style},{vec},{units}>"
             for kind in ("prologue", "prologue_backward")
             for dtype in ("float32", "float16", "bfloat16") for style in ("neox", "gptj")
-            for vec in ("v16", "v1") for units in ("u1", "u4")}
+            for vec in ("v16", "v1") for units in ("u1", "u4")} | {"prologue_weight_grad"}
 
 
 def test_prologue_cases_match_the_reference(ext, check_tool):

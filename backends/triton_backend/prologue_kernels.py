@@ -19,7 +19,7 @@ The backward (``prologue_backward_kernel``) recomputes each head's statistics fr
 input, rotates the output gradients back (the transpose: minus the angle), and writes the input
 gradient of every head (v's is grad_v) into one new grad_qkv. The norm weights' gradients are
 summed per program over its tokens and heads (several token blocks each) into rows of a float32
-[programs, HEAD_DIM] buffer, which the host sums: deterministic, no atomics.
+[programs, HEAD_DIM] buffer, which ``weight_grad_kernel`` adds up: deterministic, no atomics.
 """
 
 from __future__ import annotations
@@ -653,3 +653,23 @@ def prologue_backward_kernel(
         _store_weight_grads(dkw_ptr + pid * HEAD_DIM, ka[0], ka[1], ka[2], ka[3], ka[4], ka[5],
                             ka[6], HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
                             PASS_C, INTERLEAVED)
+
+
+@triton.jit
+def weight_grad_kernel(q_partials, k_partials, q_grad, k_grad, rows, HEAD_DIM: tl.constexpr,
+                       HAS_Q: tl.constexpr, HAS_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    """The norm weights' gradients: the backward's [rows, HEAD_DIM] partial sums added up per
+    column, in a fixed order (deterministic). Program (column block, weight: 0 q, 1 k)."""
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    if tl.program_id(1) == 0:
+        on, src, dst = HAS_Q, q_partials, q_grad
+    else:
+        on, src, dst = HAS_K, k_partials, k_grad
+    if on:
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        for r0 in range(0, rows, BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
+            m = (r[:, None] < rows) & (cols[None, :] < HEAD_DIM)
+            acc += tl.load(src + r[:, None] * HEAD_DIM + cols[None, :], mask=m, other=0.0)
+        tl.store(dst + cols, tl.sum(acc, axis=0), mask=cols < HEAD_DIM)

@@ -253,6 +253,24 @@ struct Emulator {
     }
     return cudaSuccess;
   }
+
+  // rope_prologue_weight_grad_kernel: each column's 32 row lanes, then their sums in order.
+  cudaError_t prologue_weight_grads(const RopePrologueParams& p, int64_t rows) {
+    g_kernels_run.insert("prologue_weight_grad");
+    const float* partials[2] = {p.q_weight_partials, p.k_weight_partials};
+    float* out[2] = {p.q_weight_grad, p.k_weight_grad};
+    float lanes[kWeightGradRowLanes][kWeightGradCols + 1];
+    for (int w = 0; w < 2; ++w) {
+      if (partials[w] == nullptr || out[w] == nullptr) continue;
+      for (int64_t d0 = 0; d0 < p.rope.D; d0 += kWeightGradCols) {
+        for (int r = 0; r < kWeightGradRowLanes; ++r)
+          for (int c = 0; c < kWeightGradCols; ++c)
+            lanes[r][c] = d0 + c < p.rope.D ? weight_grad_lane_sum(partials[w], rows, p.rope.D, d0 + c, r) : 0.f;
+        for (int c = 0; c < kWeightGradCols && d0 + c < p.rope.D; ++c) out[w][d0 + c] = weight_grad_total(lanes, c);
+      }
+    }
+    return cudaSuccess;
+  }
 };
 
 inline Emulator make_executor(cudaStream_t, bool) { return Emulator{}; }
