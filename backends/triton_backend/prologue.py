@@ -288,9 +288,11 @@ def weight_grads(args: PrologueArgs, partials, rows: int) -> list:
              for w in (args.q_weight, args.k_weight)]
     if all(g is None for g in grads):
         return grads
-    block_d = min(_next_pow2(d), 128)
+    # tiles of 256 rows x 32 columns: a few loop steps per program and a program per 32
+    # columns, rather than one long row loop per weight
+    block_d = min(_next_pow2(d), 32)
     q_grad, k_grad = (partials[0] if g is None else g for g in grads)  # never written when None
     _kernels()["prologue_kernels"].weight_grad_kernel[(_cdiv(d, block_d), 2)](
         partials[0], partials[1], q_grad, k_grad, rows, d, grads[0] is not None,
-        grads[1] is not None, 32, block_d, num_warps=4)
+        grads[1] is not None, 256, block_d, num_warps=8)
     return grads
