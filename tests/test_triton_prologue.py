@@ -309,6 +309,24 @@ def test_backward_is_deterministic():
         assert_bitwise_equal(a, b, name)
 
 
+@pytest.mark.parametrize("rows,d,weights", [(600, 80, (True, True)), (257, 48, (False, True)),
+                                             (3, 128, (True, False))])
+def test_weight_grad_sums(rows, d, weights):
+    """weight_grads adds up the backward's partial rows per column: several 256-row steps, a
+    ragged last column block, one weight absent (its gradient None, its partials never read)."""
+    gen = torch.Generator().manual_seed(rows)
+    partials = [torch.randn(rows if on else 1, d, generator=gen).to(DEVICE) for on in weights]
+    ws = [torch.ones(d, device=DEVICE) if on else None for on in weights]
+    args = Case(seed=1, lead=(5,)).args._replace(head_dim=d, q_weight=ws[0], k_weight=ws[1])
+    got = tp.weight_grads(args, partials, rows)
+    for g, p, on in zip(got, partials, weights):
+        if not on:
+            assert g is None
+            continue
+        want = p.double().sum(0)
+        torch.testing.assert_close(g.double(), want, rtol=0, atol=1e-5 * rows ** 0.5 * 4)
+
+
 # ---------------------------------------------------------------------------------------------
 # Through rope_ops.qkv_prologue: selection, autograd, the variants' arguments.
 
