@@ -198,11 +198,12 @@ class CudaBackend(Backend):
     BELOW_TRITON = 5
 
     def priority_for(self, call: RopeCall) -> int:
-        # Fused prologue calls rank below Triton except half-precision training: on the H200
-        # Triton's prologue took 106.8 us against 126.2 on a Qwen3-8B-like prefill, 4.62 against
-        # 5.02 on a 256-token decode with a cache write and 107.0 against 117.1 on an fp32
-        # head_dim-64 training step, while these kernels took 220.4 against 323.2 us on a bf16
-        # training step (forward + backward; csrc/NOTES.md).
+        # Fused prologue calls rank below Triton except half-precision training: on the H100
+        # (csrc/NOTES.md's table) Triton's prologue took 143.5 us against 143.6 on a
+        # Qwen3-8B-like prefill, 123.4 against 128.4 in place, 5.11 against 5.58 on a 256-token
+        # decode with a cache write and 99.0 against 105.0 on an fp32 head_dim-64 training step,
+        # while these kernels took 192.5 against 333.9 us on a bf16 training step (forward +
+        # backward). (The H200 ranked them so with the kernels before staging.)
         if call.op == "prologue" and not (call.needs_grad and call.dtype != torch.float32):
             return self.BELOW_TRITON
         # Interleaved mRoPE (Qwen3-VL) ranks below Triton: on the H200 these kernels took 50.2 us
