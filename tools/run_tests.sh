@@ -13,7 +13,8 @@ echo "== unit tests: core, registry, frequencies vs HF, build cache, CUDA source
 echo "   Ascend CPU emulation, cpu backend, HF integration, distributed (gloo), bench and CLI"
 "$py" -m pytest -q tests
 echo "== triton backend unit tests through the Triton interpreter (skipped above without it)"
-TRITON_INTERPRET=1 "$py" -m pytest -q -p no:cacheprovider tests/test_triton_backend.py
+TRITON_INTERPRET=1 "$py" -m pytest -q -p no:cacheprovider tests/test_triton_backend.py \
+    tests/test_triton_variants.py tests/test_triton_prologue.py
 for backend in torch cpu complex; do
     echo "== conformance: $backend backend"
     "$py" -m pytest -q -p no:cacheprovider --pyargs rope_ops.testing --rope-backend "$backend"
