@@ -19,7 +19,9 @@
 #                 positions, > 2^31 elements;
 #                 compute-sanitizer memcheck on gpu_cuda_check.py --coverage (calls whose
 #                 candidates reach every kernel instantiation) and on the suite's forward cases
-#                 with positions past the table, views and caller tables
+#                 with positions past the table, views and caller tables;
+#                 the transformers models, mRoPE, prologue (against HF, float8 q, Triton's
+#                 kernels) and torch-backend tests on the GPU; the distributed checks on 2 ranks
 #   recheck     the torch.compile tests of the suite on cuda and triton, and the distributed
 #               checks (with Python tracebacks on crashes)
 #   host        tools/host_cost.py: host time per call of each way in (decode and training)
@@ -95,7 +97,8 @@ if has verify; then
   # the models on the GPU with the cuda and triton backends (inductor there too), on the CPU with
   # the torch and cpu backends
   timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_integration_transformers.py \
-    tests/test_mrope.py tests/test_prologue_hf.py tests/test_torch_backend_slices.py \
+    tests/test_mrope.py tests/test_prologue_hf.py tests/test_prologue_q_float8.py \
+    tests/test_triton_prologue.py tests/test_torch_backend_slices.py \
     --deselect "tests/test_integration_transformers.py::test_compile_inductor[auto]" \
     > "$OUT/tests_hf_torch.txt" 2>&1 & p6=$!
   PYTHONFAULTHANDLER=1 timeout "$t" python3 tests/_distributed_checks.py --device cuda --rope-backend cuda,torch \
@@ -103,7 +106,7 @@ if has verify; then
   for job in "$p1:conformance cuda:conformance_cuda" "$p2:conformance triton:conformance_triton" \
              "$p3:CUDA cases, every candidate:cuda_check" "$p4:sanitizer, every kernel:sanitizer_coverage" \
              "$p5:sanitizer, suite forward cases:sanitizer_suite" \
-             "$p6:transformers models on cuda and triton, mRoPE, prologue vs HF, torch backend on CUDA:tests_hf_torch" \
+             "$p6:transformers models on cuda and triton, mRoPE, prologue vs HF, float8 q, Triton prologue, torch backend on CUDA:tests_hf_torch" \
              "$p7:distributed checks, 2 ranks on the GPU:distributed_cuda"; do
     IFS=: read -r pid label file <<< "$job"
     wait "$pid"; rc=$?
