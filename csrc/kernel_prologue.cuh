@@ -14,8 +14,8 @@
 // Forward grid: (tokens, splits), blocks of 128 threads; the 128 / G groups of a token's `splits`
 // blocks walk its rows (q, then k, then v: one launch for all of them and the cache write).
 // Backward: blocks walk tokens (a grid of at most 8 per SM), lanes keep their weight-gradient
-// sums in registers, and each block writes one row of partial sums ([blocks, D], added up by the
-// caller in a fixed order: deterministic).
+// sums in registers, and each block writes one row of partial sums ([blocks, D]), which
+// rope_prologue_weight_grad_kernel adds up in a fixed order (deterministic).
 // With 16-byte vectors and one unit per lane (the common rows: up to 32 units), a lane's next
 // rows are staged: copied asynchronously into its own ring in shared memory while it computes the
 // current one (the backward's across its tokens), so more bytes are in flight per SM than its
