@@ -6,7 +6,8 @@
 #     report (-Xptxas -v) and a one-line-per-kernel summary; fails on any error, and on PTX in
 #     which a kernel lacks its 16-byte loads and stores, position and cos/sin loads, or calls a
 #     function;
-#  2. a syntax-only check of csrc/rope_binding.cpp against the installed torch headers when a
+#  2. tools/prologue_kernel_timing.cu (the prologue kernels' standalone timing) compiles;
+#  3. a syntax-only check of csrc/rope_binding.cpp against the installed torch headers when a
 #     Python with torch is found (PYTHON, else python3). A CPU-only torch lacks a few generated or
 #     CUDA-library headers that the binding's includes pull in; stubs for exactly those are put
 #     *after* the real include paths (-idirafter), so a CUDA torch uses its own headers.
@@ -116,6 +117,19 @@ for cu in "$here"/*.cu; do
     fi
   done
 done
+
+# the prologue kernels' standalone timing tool (tools/prologue_variants.sh builds it on a GPU)
+timing="$here/../tools/prologue_kernel_timing.cu"
+if [ -f "$timing" ]; then
+  a="${archs%% *}"
+  echo "== nvcc sm_$a tools/prologue_kernel_timing.cu"
+  if ! "$nvcc" -gencode="arch=compute_$a,code=sm_$a" -O3 -std=c++17 "${torch_defs[@]}" -I"$here" \
+      "$timing" -o "$tmp/prologue_kernel_timing" >"$tmp/timing.log" 2>&1; then
+    cat "$tmp/timing.log" >&2
+    echo "check_compile: FAILED: tools/prologue_kernel_timing.cu" >&2
+    status=1
+  fi
+fi
 
 if [ "${ROPE_OPS_SKIP_BINDING_CHECK:-0}" != 1 ] && [ -f "$here/rope_binding.cpp" ]; then
   py="${PYTHON:-python3}"

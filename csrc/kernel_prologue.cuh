@@ -35,11 +35,12 @@ namespace {
 constexpr int kPrologueThreads = 128;
 constexpr int kPrologueMaxUnits = 128;  // per row: 32 lanes x 4 units
 // Stages of a lane's ring of staged rows (0: loads straight into registers): rows STAGES - 1
-// ahead are in flight while one is computed. H100 (2026-12-07, bit-identical outputs; us for the
-// prefill / in-place prefill / training step of the NOTES table, without the weight-gradient
-// sums; loads into registers 151.9 / 134.9 / 222.5), forward / backward stages: 2 / 2 143.5 /
-// 128.8 / 188.7; 2 / 3 143.6 / 128.6 / 192.1; 3 / 6 145.8 / 139.9 / 227.0; 4 / 4 161.4 / 151.6 /
-// 234.7; 8 / 2 163.8 / 153.9 / 203.1. More forward stages than 2 cost more than they gain.
+// ahead are in flight while one is computed (tools/prologue_variants.sh times other counts).
+// H100 (2026-12-07, bit-identical outputs; us for the prefill / in-place prefill / training step
+// of the NOTES table, without the weight-gradient sums; loads into registers 151.9 / 134.9 /
+// 222.5), forward / backward stages: 2 / 2 143.5 / 128.8 / 188.7; 2 / 3 143.6 / 128.6 / 192.1;
+// 3 / 6 145.8 / 139.9 / 227.0; 4 / 4 161.4 / 151.6 / 234.7; 8 / 2 163.8 / 153.9 / 203.1. More
+// forward stages than 2 cost more than they gain.
 constexpr int kPrologueForwardStages = 2;
 constexpr int kPrologueBackwardStages = 2;
 
