@@ -78,10 +78,7 @@ class TableCache:
         with self._lock:
             found = self._entries.get(key)
             if found is None:
-                # never inference tensors, though the first call may run under inference_mode:
-                # a later training call saves them for backward
-                with torch.inference_mode(False):
-                    found = build_tables(freqs, rows, device)
+                found = build_tables(freqs, rows, device)
                 self._insert(key, found)
         return found
 
@@ -130,9 +127,12 @@ def table_key(freqs: Frequencies, rows: int, device: torch.device) -> str:
 
 
 def build_tables(freqs: Frequencies, rows: int, device: torch.device) -> Tables:
-    cos, sin = cos_sin_table(freqs.inv_freq, freqs.attention_factor, rows)
-    return Tables(cos.to(device), sin.to(device), freqs.freq_turns.to(device),
-                  freqs.attention_factor)
+    # Never inference tensors, though built under inference_mode (a first call, a module made
+    # there): tables outlive the call, and a later training call saves them for backward.
+    with torch.inference_mode(False):
+        cos, sin = cos_sin_table(freqs.inv_freq, freqs.attention_factor, rows)
+        return Tables(cos.to(device), sin.to(device), freqs.freq_turns.to(device),
+                      freqs.attention_factor)
 
 
 CACHE = TableCache()

@@ -112,6 +112,7 @@ def test_caches_first_filled_under_inference_mode_serve_training():
         CACHE.clear()
         prologue_kw = dict(num_q_heads=2, num_kv_heads=1, head_dim=16, backend=backend)
         with torch.inference_mode():
+            module = rope_ops.RotaryEmbedding(16, base=base + 1.0)
             rope_ops.qkv_prologue(qkv, pos, base=base, q_norm=w, **prologue_kw)
             rope_ops.qkv_prologue(qkv, None, rotate=False, k_norm=w, **prologue_kw)
             rope_ops.apply(qkv[:, :32].view(5, 2, 16), None, pos, base=base, layout="thd", backend=backend)
@@ -132,3 +133,7 @@ def test_caches_first_filled_under_inference_mode_serve_training():
         out, _ = rope_ops.apply(q, None, pos, base=base, layout="thd", backend=backend)
         out.sum().backward()
         assert q.grad is not None
+        x = qkv.clone().requires_grad_(True)  # a module made under inference_mode trains too
+        q, _, _ = rope_ops.qkv_prologue(x, pos, rope=module, **prologue_kw)
+        q.sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
