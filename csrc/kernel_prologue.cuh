@@ -49,6 +49,9 @@ constexpr int prologue_stages(bool staged, bool backward) {
   return staged ? (backward ? kPrologueBackwardStages : kPrologueForwardStages) : 0;
 }
 
+// 16-byte vectors per unit: NeoX's at i and R/2 + i, GPT-J's pairs in one (pass-through: one).
+constexpr int prologue_unit_vectors(bool neox) { return neox ? 2 : 1; }
+
 // What a launch's lanes need to know of the call's shape (host-computed).
 struct PrologueShape {
   int G;             // lanes per row
@@ -178,7 +181,7 @@ struct PrologueUnits {
   }
 
   // Vectors per unit (16-byte vectors): a ring stage's slots for one row of the lane's unit.
-  static constexpr int V = NEOX ? 2 : 1;
+  static constexpr int V = prologue_unit_vectors(NEOX);
 
   // Copies unit u's vectors of `row` into a ring stage (16-byte vectors), slot at / E.
   static ROPE_HD void stage(uint4* slots, int step, const T* row, const PrologueShape& sh, int64_t R,
@@ -489,22 +492,40 @@ struct PrologueGradLane {
     load_lane_angles<U, NP, A>(p, sh, lane, b, s, c, sn);
   }
 
-  // Loads the output gradient of row i, rotated back (p.rope.inverse), and the input row where
-  // it is normalised; returns the lane's part of the input's sum of squares.
-  ROPE_HD float load_row(const RopePrologueParams& p, const PrologueShape& sh, int i) {
+  // Row r's output gradient (null: zero) and input, for the token (tb, ts).
+  static ROPE_HD const T* grad_row(const RopePrologueParams& p, int kd, int h, int64_t tb, int64_t ts) {
+    const T* g = static_cast<const T*>(p.grad[kd]);
+    if (g != nullptr) g += tb * p.grad_stride[kd][0] + ts * p.grad_stride[kd][1] + h * p.grad_stride[kd][2];
+    return g;
+  }
+  static ROPE_HD const T* input_row(const RopePrologueParams& p, int r, int64_t tb, int64_t ts) {
+    return static_cast<const T*>(p.qkv) + tb * p.qkv_stride_b + ts * p.qkv_stride_s + (int64_t)r * p.rope.D;
+  }
+  // Whether rows of kind kd are normalised (their weight is given).
+  static ROPE_HD bool normed_kind(const RopePrologueParams& p, int kd) {
+    return kd < 2 && (kd == 0 ? p.q_weight : p.k_weight) != nullptr;
+  }
+
+  // Row i of the walk: row, active, kind and head (normed false until the caller sets it); false
+  // past the token's rows.
+  ROPE_HD bool begin_row(const RopePrologueParams& p, const PrologueShape& sh, int i) {
     row = group + i * sh.group_stride;
     active = row < sh.n_rows;
     normed = false;
-    float sum = 0.f;
-    if (!active) return sum;
+    if (!active) return false;
     kind = row_kind(p, row, head);
+    return true;
+  }
+
+  // Loads the output gradient of row i, rotated back (p.rope.inverse), and the input row where
+  // it is normalised; returns the lane's part of the input's sum of squares.
+  ROPE_HD float load_row(const RopePrologueParams& p, const PrologueShape& sh, int i) {
+    float sum = 0.f;
+    if (!begin_row(p, sh, i)) return sum;
     const int64_t R = p.rope.R;
-    const T* gsrc = static_cast<const T*>(p.grad[kind]);
-    if (gsrc != nullptr)
-      gsrc += b * p.grad_stride[kind][0] + s * p.grad_stride[kind][1] + head * p.grad_stride[kind][2];
-    normed = kind < 2 && (kind == 0 ? p.q_weight : p.k_weight) != nullptr;
-    const T* xsrc = static_cast<const T*>(p.qkv) + b * p.qkv_stride_b + s * p.qkv_stride_s +
-                    (int64_t)row * p.rope.D;
+    const T* gsrc = grad_row(p, kind, head, b, s);
+    normed = normed_kind(p, kind);
+    const T* xsrc = input_row(p, row, b, s);
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       const int u = unit(sh, k);
@@ -523,7 +544,9 @@ struct PrologueGradLane {
 
   // Staged rows (16-byte vectors, one unit per lane): copies row i's output gradient and, where
   // it is normalised, its input into a ring stage (slots: gradient vectors, then input vectors);
-  // (pb, ps): the token of that row, ahead of the lane's.
+  // (pb, ps): the token of that row, ahead of the lane's. The addresses are grad_row's and
+  // input_row's, written out: through those helpers nvcc emits different code for this kernel
+  // (two more registers in float32), which the staging measurements did not time.
   ROPE_HD void stage_row(const RopePrologueParams& p, const PrologueShape& sh, int64_t pb, int64_t ps,
                          int i, uint4* slots, int step) const {
     const int r = group + i * sh.group_stride, u = unit(sh, 0);
@@ -545,12 +568,8 @@ struct PrologueGradLane {
   // load_row() from the stage that holds row i.
   ROPE_HD float load_staged_row(const RopePrologueParams& p, const PrologueShape& sh, int i,
                                 const uint4* slots, int step) {
-    row = group + i * sh.group_stride;
-    active = row < sh.n_rows;
-    normed = false;
-    if (!active) return 0.f;
-    kind = row_kind(p, row, head);
-    normed = kind < 2 && (kind == 0 ? p.q_weight : p.k_weight) != nullptr;
+    if (!begin_row(p, sh, i)) return 0.f;
+    normed = normed_kind(p, kind);
     const int u = unit(sh, 0);
     if (u >= sh.n_units) return 0.f;
     const int64_t R = p.rope.R;
@@ -836,8 +855,7 @@ inline int64_t prologue_units(const RopeParams& r, int64_t E, int64_t& n_rot) {
 // Shared memory of the lanes' rings: stages x (gradient and) input vectors of a unit x threads.
 inline int prologue_ring_bytes(const ProloguePlan& plan, const RopeParams& r, bool backward) {
   const int stages = prologue_stages(plan.vec16 && plan.units_per_lane == 1, backward);
-  const int vectors = r.interleaved ? 1 : 2;
-  return stages * (backward ? 2 : 1) * vectors * kPrologueThreads * 16;
+  return stages * (backward ? 2 : 1) * prologue_unit_vectors(r.interleaved == 0) * kPrologueThreads * 16;
 }
 
 inline bool plan_prologue(const RopePrologueParams& p, const RopeDevice& dev, bool backward,

@@ -48,7 +48,8 @@ struct Launcher {
   }
 #ifndef PT_NO_WEIGHT_GRAD
   cudaError_t prologue_weight_grads(const RopePrologueParams& p, int64_t rows) {
-    return launch(rope_prologue_weight_grad_kernel, dim3((unsigned)((p.rope.D + 31) / 32), 2), 1024, 0, stream, p, rows);
+    return launch(rope_prologue_weight_grad_kernel, dim3((unsigned)((p.rope.D + kWeightGradCols - 1) / kWeightGradCols), 2),
+                  kWeightGradCols * kWeightGradRowLanes, 0, stream, p, rows);
   }
 #endif
 };
