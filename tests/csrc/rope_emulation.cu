@@ -53,6 +53,17 @@ void record_prologue(const char* family) {
   record<T, NEOX>(family, std::string(VB == 16 ? ",v16" : ",v1") + ",u" + std::to_string(U));
 }
 
+// Each emulated lane's own ring of `stages` stages (none: unused) of `slots` vectors, step 1:
+// the copies complete at once.
+struct EmulatedRings {
+  std::vector<uint4> data;
+  int slots, per_lane;
+  EmulatedRings(int lanes, int stages, int slots_)
+      : data((size_t)lanes * (stages > 0 ? stages : 1) * slots_), slots(slots_),
+        per_lane((stages > 0 ? stages : 1) * slots_) {}
+  LaneRing of(int lane) { return LaneRing{data.data() + (size_t)lane * per_lane, 1, slots}; }
+};
+
 struct Emulator {
   template <typename T, bool NEOX, int SCHED, int ST, int HINT, class A, int VB>
   cudaError_t heads(const RopeParams& p, const HeadsPlan& f, const bool fly) {
@@ -155,12 +166,10 @@ struct Emulator {
   cudaError_t prologue(const RopePrologueParams& p, const ProloguePlan& plan) {
     using Lane = PrologueLane<T, NEOX, VB, U, A>;
     constexpr int ST = prologue_stages(VB == 16 && U == 1, false);
-    constexpr int SLOTS = Lane::Units::V;
     record_prologue<T, NEOX, VB, U>("prologue");
     const PrologueShape& sh = plan.sh;
     const int groups = kPrologueThreads >> sh.g_log2;
-    std::vector<uint4> rings((size_t)32 * (ST > 0 ? ST : 1) * SLOTS);
-    const auto ring_of = [&](int l) { return LaneRing{rings.data() + (size_t)l * (ST > 0 ? ST : 1) * SLOTS, 1, SLOTS}; };
+    EmulatedRings rings(32, ST, Lane::Units::V);
     for (long long token = 0; token < plan.blocks; ++token)
       for (int y = 0; y < plan.splits; ++y)
         for (int w = 0; w < kPrologueThreads; w += 32) {
@@ -169,7 +178,7 @@ struct Emulator {
           for (int l = 0; l < 32; ++l) {
             lanes.emplace_back(p, sh, token, y * groups, w + l);
             if constexpr (ST > 0)
-              for (int i = 0; i < ST - 1 && i < sh.row_iters; ++i) lanes[l].stage_row(p, sh, i, ring_of(l).stage(i), 1);
+              for (int i = 0; i < ST - 1 && i < sh.row_iters; ++i) lanes[l].stage_row(p, sh, i, rings.of(l).stage(i), 1);
             lanes[l].load_token(p, sh);
           }
           for (int i = 0; i < sh.row_iters; ++i) {
@@ -177,8 +186,8 @@ struct Emulator {
             for (int l = 0; l < 32; ++l) {
               if constexpr (ST > 0) {
                 const int ahead = i + ST - 1;
-                if (ahead < sh.row_iters) lanes[l].stage_row(p, sh, ahead, ring_of(l).stage(ahead % ST), 1);
-                part[l] = lanes[l].load_staged_row(p, sh, i, ring_of(l).stage(i % ST), 1);
+                if (ahead < sh.row_iters) lanes[l].stage_row(p, sh, ahead, rings.of(l).stage(ahead % ST), 1);
+                part[l] = lanes[l].load_staged_row(p, sh, i, rings.of(l).stage(i % ST), 1);
               } else {
                 part[l] = lanes[l].load_row(p, sh, i);
               }
@@ -196,16 +205,12 @@ struct Emulator {
   cudaError_t prologue_backward(const RopePrologueParams& p, const ProloguePlan& plan) {
     using Lane = PrologueGradLane<T, NEOX, VB, U, A>;
     constexpr int ST = prologue_stages(VB == 16 && U == 1, true);
-    constexpr int SLOTS = 2 * Lane::Units::V;
     record_prologue<T, NEOX, VB, U>("prologue_backward");
     const PrologueShape& sh = plan.sh;
     const int groups = kPrologueThreads >> sh.g_log2;
     const long long tokens = p.rope.B * p.rope.S;
     std::vector<float> scratch((size_t)groups * p.rope.D);
-    std::vector<uint4> rings((size_t)kPrologueThreads * (ST > 0 ? ST : 1) * SLOTS);
-    const auto ring_of = [&](int t) {
-      return LaneRing{rings.data() + (size_t)t * (ST > 0 ? ST : 1) * SLOTS, 1, SLOTS};
-    };
+    EmulatedRings rings(kPrologueThreads, ST, 2 * Lane::Units::V);
     for (long long bid = 0; bid < plan.blocks; ++bid) {
       std::vector<Lane> lanes;
       std::vector<StagedWalk> walks;
@@ -215,7 +220,7 @@ struct Emulator {
         walks.emplace_back(p.rope, bid);
         if constexpr (ST > 0)
           for (int k = 0; k < ST - 1; ++k)
-            walks[t].template stage_next<ST>(p, sh, lanes[t], ring_of(t), tokens, plan.blocks);
+            walks[t].template stage_next<ST>(p, sh, lanes[t], rings.of(t), tokens, plan.blocks);
       }
       int stage = 0;
       for (long long token = bid; token < tokens; token += plan.blocks) {
@@ -226,8 +231,8 @@ struct Emulator {
             float part[32];
             for (int l = 0; l < 32; ++l) {
               if constexpr (ST > 0) {
-                walks[w + l].template stage_next<ST>(p, sh, warp[l], ring_of(w + l), tokens, plan.blocks);
-                part[l] = warp[l].load_staged_row(p, sh, i, ring_of(w + l).stage((stage + i) % ST), 1);
+                walks[w + l].template stage_next<ST>(p, sh, warp[l], rings.of(w + l), tokens, plan.blocks);
+                part[l] = warp[l].load_staged_row(p, sh, i, rings.of(w + l).stage((stage + i) % ST), 1);
               } else {
                 part[l] = warp[l].load_row(p, sh, i);
               }
