@@ -7,7 +7,9 @@
 #
 #   bash tools/prologue_variants.sh                       # the stage sweep below
 #   bash tools/prologue_variants.sh NAME:FWD:BWD[:FWD_MINB:BWD_MINB] ...
-#   BASE=<git revision> bash tools/prologue_variants.sh   # also that revision's kernels
+#   BASE=<git revision or directory>[,...] bash tools/prologue_variants.sh
+#                                                         # also those revisions' (or csrc
+#                                                         # copies') kernels, first
 #
 # Env: NVCC, ROPE_OPS_CUDA_ARCH (default 90), PT_CASE (one case).
 set -euo pipefail
@@ -43,15 +45,23 @@ for spec in "${specs[@]}"; do
   build "$name" "$dir" &
   names+=("$name")
 done
-if [ -n "${BASE:-}" ]; then
-  dir="$work/src_base"
+bases=()
+[ -n "${BASE:-}" ] && IFS=, read -r -a bases <<< "$BASE"
+for ((k = ${#bases[@]} - 1; k >= 0; k--)); do
+  base=${bases[k]}
+  name="base_$(basename "$base")"
+  dir="$work/src_$name"
   mkdir -p "$dir"
-  git archive "$BASE" csrc | tar -x -C "$dir" --strip-components=1
+  if [ -d "$base" ]; then  # a copy of csrc/ (a machine without the repository's history)
+    cp -r "$base"/. "$dir"
+  else
+    git archive "$base" csrc | tar -x -C "$dir" --strip-components=1
+  fi
   extra=()
   grep -q rope_prologue_weight_grad_kernel "$dir/kernel_prologue.cuh" || extra=(-DPT_NO_WEIGHT_GRAD)
-  build "base_$BASE" "$dir" "${extra[@]}" &
-  names=("base_$BASE" "${names[@]}")
-fi
+  build "$name" "$dir" "${extra[@]}" &
+  names=("$name" "${names[@]}")
+done
 wait
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null || true
 for name in "${names[@]}"; do
