@@ -321,10 +321,8 @@ struct PrologueLane {
   // Loads row i * group_stride + group of the group's walk; returns the lane's part of its sum
   // of squares.
   ROPE_HD float load_row(const RopePrologueParams& p, const PrologueShape& sh, int i) {
-    row = group + i * sh.group_stride;
-    active = row < sh.n_rows;
     float part = 0.f;
-    if (!active) return part;
+    if (!begin_row(sh, i)) return part;
     const T* src = qkv_row(p, row);
 #pragma unroll
     for (int k = 0; k < U; ++k) {
@@ -333,6 +331,13 @@ struct PrologueLane {
       part = Units::load_sum_sq(src, sh, p.rope.R, u, x[k], part);
     }
     return part;
+  }
+
+  // Row i of the walk into row and active; whether it is one of the token's rows.
+  ROPE_HD bool begin_row(const PrologueShape& sh, int i) {
+    row = group + i * sh.group_stride;
+    active = row < sh.n_rows;
+    return active;
   }
 
   ROPE_HD const T* qkv_row(const RopePrologueParams& p, int r) const {
@@ -349,10 +354,9 @@ struct PrologueLane {
   // load_row() from the stage that holds row i.
   ROPE_HD float load_staged_row(const RopePrologueParams& p, const PrologueShape& sh, int i,
                                 const uint4* slots, int step) {
-    row = group + i * sh.group_stride;
-    active = row < sh.n_rows;
+    const bool in_walk = begin_row(sh, i);
     const int u = unit(sh, 0);
-    if (!active || u >= sh.n_units) return 0.f;
+    if (!in_walk || u >= sh.n_units) return 0.f;
     Units::load_staged(slots, step, sh, p.rope.R, u, x[0]);
     return Units::sum_sq(sh, u, x[0], 0.f);
   }
