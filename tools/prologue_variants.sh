@@ -47,8 +47,8 @@ for spec in "${specs[@]}"; do
 done
 bases=()
 [ -n "${BASE:-}" ] && IFS=, read -r -a bases <<< "$BASE"
-for ((k = ${#bases[@]} - 1; k >= 0; k--)); do
-  base=${bases[k]}
+base_names=()
+for base in "${bases[@]}"; do
   name="base_$(basename "$base")"
   dir="$work/src_$name"
   mkdir -p "$dir"
@@ -60,8 +60,9 @@ for ((k = ${#bases[@]} - 1; k >= 0; k--)); do
   extra=()
   grep -q rope_prologue_weight_grad_kernel "$dir/kernel_prologue.cuh" || extra=(-DPT_NO_WEIGHT_GRAD)
   build "$name" "$dir" "${extra[@]}" &
-  names=("$name" "${names[@]}")
+  base_names+=("$name")
 done
+names=("${base_names[@]}" "${names[@]}")
 wait
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null || true
 for name in "${names[@]}"; do
