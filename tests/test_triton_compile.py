@@ -146,14 +146,16 @@ SCRIPT = textwrap.dedent(r'''
 
     def compile_prologue(pargs, backward):
         """Compile the prologue variant run_prologue(_backward) would launch (the policy's
-        configuration for the H200, its register cap)."""
-        label = tb.launch_policy(tp.prologue_shape(pargs), H200, rules=tp.PROLOGUE_RULES).label()
+        configuration for the H200 or the backward's, the register cap)."""
         if backward:
+            label = tp.backward_config(pargs).label()
             g = [torch.empty(*pargs.qkv.shape[:-1], h, pargs.head_dim, dtype=pargs.qkv.dtype)
                  for h in (pargs.num_q_heads, pargs.num_kv_heads, pargs.num_kv_heads)]
-            launch = tp.backward_launch(pargs, *g, label=label)
+            launch = tp.backward_launch(pargs, *g)
             fn = tb._kernels()["prologue_kernels"].prologue_backward_kernel
         else:
+            label = tb.launch_policy(tp.prologue_shape(pargs), H200,
+                                     rules=tp.PROLOGUE_RULES).label()
             launch = tp.forward_launch(pargs, label)
             fn = tb._kernels()["prologue_kernels"].prologue_kernel
         return label, compile_values(fn, launch.arguments, launch.options())
@@ -232,7 +234,10 @@ SCRIPT = textwrap.dedent(r'''
         """Print the variant's registers and accesses; note it in ``bad`` if it spills or, where
         it must, has no 16-byte or any 2-byte global access."""
         ptx = ck.asm["ptx"]
-        v4 = len(re.findall(r"(?:ld|st)\.global(?:\.[\w:]+)*\.v4\.b32", ptx))
+        # 16-byte accesses: vector loads and stores, and 16-byte asynchronous copies (a
+        # software-pipelined loop's reads)
+        v4 = len(re.findall(r"(?:ld|st)\.global(?:\.[\w:]+)*\.v4\.b32", ptx)) + len(
+            re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.[\w:]+)* \[[^]]+\], \[[^]]+\], 0x10", ptx))
         narrow = len(re.findall(r"(?:ld|st)\.global(?:\.[\w:]+)*\.(?:b16|v2\.b16|v4\.b16)\b", ptx))
         regs, spills = resources(ck)
         print(f"{name:32s} {label:22s} regs {regs:3d} local {spills} "

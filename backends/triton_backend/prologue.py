@@ -22,9 +22,21 @@ from . import (_INTERPRET, WALK_PROGRAMS_PER_SM, CallShape, ChunkRules, KernelCo
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 CACHE_NONE, CACHE_SAME, CACHE_SCALED, CACHE_SCALED_GRID = 0, 1, 2, 3  # prologue_kernels.CACHE_*
-# The backward's programs each take up to this many token blocks (fewer rows of weight-gradient
-# partial sums to write and add up), keeping WALK_PROGRAMS_PER_SM programs per SM.
-MAX_BLOCKS_PER_PROGRAM = 16
+# The backward's grid: at most this many programs per SM, each walking token blocks pid,
+# pid + programs, ... (one row of weight-gradient partial sums per program).
+BACKWARD_PROGRAMS_PER_SM = WALK_PROGRAMS_PER_SM
+# The backward prefetches chunk c + 1's reads before computing chunk c (tooling may override).
+BACKWARD_PREFETCH = False
+# The backward's token-block loop: triton's software pipelining with this many stages (the next
+# STAGES - 1 blocks' reads copied asynchronously into shared memory while one is computed, as
+# the CUDA backward stages its rows); 1: none. Only where the staged reads take at most
+# BACKWARD_STAGED_BYTES_PER_WARP per warp of the program: shared memory then allows the 16 warps
+# per SM that PROLOGUE_MAX_REGISTERS does (the training step, 8 warps: 92 KiB, two programs).
+BACKWARD_STAGES = 2
+BACKWARD_STAGED_BYTES_PER_WARP = 14 * 1024
+# weight_grads' tiles: at most this many rows of partial sums, and floats in all.
+WEIGHT_GRAD_ROWS = 1024
+WEIGHT_GRAD_TILE = 8192
 # The launch policy's rules for the prologue: a chunk holds whole heads in float32 through the
 # norm, the rotation and (backward) the input and its gradient at once, so twice the threads of
 # the rope kernel per chunk byte and half its chunk (sm_90 compile, W1 shapes, triton 3.9: 16
@@ -204,10 +216,61 @@ def forward_launch(args: PrologueArgs, label: str | None = None,
     return PrologueLaunch(programs, cfg.num_warps, arguments, max_registers)
 
 
+def _staged_bytes(args: PrologueArgs, block_t: int, block_hq: int, block_hk: int,
+                  has_grads) -> int:
+    """Shared memory one stage of the backward's pipelined token-block loop takes (its reads of
+    a token block: the q and k inputs where normalised, the output gradients given, the angles'
+    table rows and the weights), padded as the kernel's tiles are."""
+    hq, hk, d = args.num_q_heads, args.num_kv_heads, args.head_dim
+    r = args.rotary_dim if args.rotate else 0
+    rot_a, rot_b, pass_a, pass_b, pass_c = prologue_pieces(r, d)
+    width = 2 * (rot_a + rot_b) + pass_a + pass_b + pass_c  # a head as its pieces
+    heads_q = _cdiv(hq, block_hq) * block_hq
+    heads_k = _cdiv(hk, block_hk) * block_hk
+    x_heads = heads_q * (args.q_weight is not None) + heads_k * (args.k_weight is not None)
+    g_heads = sum(n for n, on in zip((heads_q, heads_k, heads_k), has_grads) if on)
+    angles = 2 * (rot_a + rot_b) * 4 + 8  # cos and sin rows (float32) and the position
+    weights = 2 * width * 4
+    return block_t * ((x_heads + g_heads) * width * args.qkv.element_size() + angles) + weights
+
+
+def backward_config(args: PrologueArgs) -> KernelConfig:
+    """The backward's configuration (a token walk): the policy's token block and chunks, with
+    the warps that give each thread one 16-byte vector of a chunk's widest piece (its weight
+    gradient sums are kept in the chunk's shape, a register per element a thread holds); token
+    blocks halved while that would take more than 8 warps."""
+    cfg = prologue_policy(args)
+    hq, hk, d = args.num_q_heads, args.num_kv_heads, args.head_dim
+    r = args.rotary_dim if args.rotate else 0
+    rot_a, rot_b, pass_a, pass_b, pass_c = prologue_pieces(r, d)
+    wide = 2 if args.interleaved else 1  # GPT-J pairs are read as one span of 2W elements
+    widest = max(rot_a * wide, rot_b * wide, pass_a, pass_b, pass_c, 1)
+    vector = max(1, 16 // args.qkv.element_size())
+    block_t = cfg.block_t
+    block_h = max(min(cfg.block_hq, _next_pow2(hq)), min(cfg.block_hk, _next_pow2(hk)))
+    while block_t > 1 and block_t * block_h * widest > 8 * 32 * vector:
+        block_t //= 2
+    warps = min(8, max(1, _prev_pow2(block_t * block_h * widest // (32 * vector))))
+    return KernelConfig(False, block_t, cfg.block_hq, cfg.block_hk, warps)
+
+
+def backward_stages(args: PrologueArgs, cfg: KernelConfig, stages: int,
+                    has_grads=(True, True, True)) -> int:
+    """``stages``, or 1 where its staged reads would take more than
+    BACKWARD_STAGED_BYTES_PER_WARP per warp."""
+    block_hq = min(cfg.block_hq, _next_pow2(args.num_q_heads))
+    block_hk = min(cfg.block_hk, _next_pow2(args.num_kv_heads))
+    staged = (stages - 1) * _staged_bytes(args, cfg.block_t, block_hq, block_hk, has_grads)
+    return stages if staged <= BACKWARD_STAGED_BYTES_PER_WARP * cfg.num_warps else 1
+
+
 def backward_launch(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | None = None,
-                    max_registers: int | None = PROLOGUE_MAX_REGISTERS) -> PrologueLaunch:
+                    max_registers: int | None = PROLOGUE_MAX_REGISTERS,
+                    programs_per_sm: int | None = None, prefetch: bool | None = None,
+                    stages: int | None = None) -> PrologueLaunch:
     """The backward's launch, with the grad_qkv it writes and the weight gradients' partial
-    sums ([programs, D] float32, one row per program)."""
+    sums ([programs, D] float32, one row per program). ``label``, ``programs_per_sm``,
+    ``prefetch``, ``stages``: another configuration (tooling)."""
     thd = args.layout == "thd"
     qkv = args.qkv
     hq, hk, d = args.num_q_heads, args.num_kv_heads, args.head_dim
@@ -215,13 +278,14 @@ def backward_launch(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | Non
     x3, dx3 = _as_bs(qkv, thd), _as_bs(grad_qkv, thd)
     batch, seq = x3.shape[0], x3.shape[1]
     n_tokens = batch * seq
-    cfg = _config(args, label)
+    cfg = parse_label(label) if label is not None else backward_config(args)
     block_hq = min(cfg.block_hq, _next_pow2(hq))
     block_hk = min(cfg.block_hk, _next_pow2(hk))
+    stages = backward_stages(args, cfg, BACKWARD_STAGES if stages is None else int(stages),
+                             tuple(g is not None for g in (grad_q, grad_k, grad_v)))
     n_blocks = _cdiv(n_tokens, cfg.block_t)
-    target = WALK_PROGRAMS_PER_SM * device_info(qkv.device).sm_count
-    per_program = min(MAX_BLOCKS_PER_PROGRAM, _prev_pow2(max(1, n_blocks // target)))
-    programs = max(1, _cdiv(n_blocks, per_program))
+    per_sm = BACKWARD_PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+    programs = max(1, min(n_blocks, per_sm * device_info(qkv.device).sm_count))
     grads, g_strides, contig = [], [], True
     for g in (grad_q, grad_k, grad_v):
         if g is None:
@@ -248,7 +312,8 @@ def backward_launch(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | Non
         hq, hk, d, r, bool(args.interleaved), _tok_split(batch, seq), bool(args.rotate),
         *angle_consts, _kernels()["libdevice"], q_norm, k_norm, grad_q is not None,
         grad_k is not None, grad_v is not None, contig,
-        *prologue_pieces(r, d), cfg.block_t, block_hq, block_hk, per_program)
+        *prologue_pieces(r, d), cfg.block_t, block_hq, block_hk,
+        BACKWARD_PREFETCH if prefetch is None else bool(prefetch), stages)
     return PrologueLaunch(programs, cfg.num_warps, arguments, max_registers, grad_qkv, partials)
 
 
@@ -268,10 +333,15 @@ def run_prologue(args: PrologueArgs, label: str | None = None,
 
 
 def run_prologue_backward(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | None = None,
-                          max_registers: int | None = PROLOGUE_MAX_REGISTERS):
+                          max_registers: int | None = PROLOGUE_MAX_REGISTERS,
+                          programs_per_sm: int | None = None, prefetch: bool | None = None,
+                          stages: int | None = None):
     """(grad_qkv, grad of q_weight, grad of k_weight): the weight gradients float32 [D], None
-    where the weight is None. args.qkv is the forward's input; grads may be None (zero)."""
-    launch = backward_launch(args, grad_q, grad_k, grad_v, label, max_registers)
+    where the weight is None. args.qkv is the forward's input; grads may be None (zero).
+    ``label``, ``max_registers``, ``programs_per_sm``, ``prefetch``, ``stages``: another
+    configuration (tooling)."""
+    launch = backward_launch(args, grad_q, grad_k, grad_v, label, max_registers,
+                             programs_per_sm, prefetch, stages)
     with _on_device(args.qkv.device):
         _kernels()["prologue_kernels"].prologue_backward_kernel[(launch.programs,)](
             *launch.arguments, **launch.options())
@@ -288,11 +358,12 @@ def weight_grads(args: PrologueArgs, partials, rows: int) -> list:
              for w in (args.q_weight, args.k_weight)]
     if all(g is None for g in grads):
         return grads
-    # tiles of 256 rows x 32 columns: a few loop steps per program and a program per 32
-    # columns, rather than one long row loop per weight
-    block_d = min(_next_pow2(d), 32)
+    # tiles of up to 8192 floats: up to 1024 rows (the backward's rows in one step: a latency,
+    # not a loop of them) x the columns left (8 at 1024 rows: 32 programs at D 128)
+    block_r = min(WEIGHT_GRAD_ROWS, _next_pow2(rows))
+    block_d = min(_next_pow2(d), max(1, WEIGHT_GRAD_TILE // block_r))
     q_grad, k_grad = (partials[0] if g is None else g for g in grads)  # never written when None
     _kernels()["prologue_kernels"].weight_grad_kernel[(_cdiv(d, block_d), 2)](
         partials[0], partials[1], q_grad, k_grad, rows, d, grads[0] is not None,
-        grads[1] is not None, 256, block_d, num_warps=8)
+        grads[1] is not None, block_r, block_d, num_warps=8)
     return grads

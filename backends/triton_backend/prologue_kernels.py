@@ -17,9 +17,13 @@ value / scale; out of place, q too may be float8, q / q_scale rounded as the cac
 
 The backward (``prologue_backward_kernel``) recomputes each head's statistics from the saved
 input, rotates the output gradients back (the transpose: minus the angle), and writes the input
-gradient of every head (v's is grad_v) into one new grad_qkv. The norm weights' gradients are
-summed per program over its tokens and heads (several token blocks each) into rows of a float32
-[programs, HEAD_DIM] buffer, which ``weight_grad_kernel`` adds up: deterministic, no atomics.
+gradient of every head (v's is grad_v) into one new grad_qkv. Its programs walk token blocks
+pid, pid + programs, ... (a runtime loop, software-pipelined by triton with STAGES > 1: the next
+block's reads copied asynchronously into shared memory while one is computed). The norm weights'
+gradients are accumulated in the chunks' shape ([BLOCK_T, BH, W] per piece: a multiply-add per
+element, no reduction across lanes or warps per chunk), summed over tokens and heads once per
+program into rows of a float32 [programs, HEAD_DIM] buffer, which ``weight_grad_kernel`` adds up:
+deterministic, no atomics.
 """
 
 from __future__ import annotations
@@ -448,49 +452,72 @@ def _grid_qk(head_offset: tl.constexpr, x_ptr, row_x, out_ptr, row_out, so_h, tm
 
 
 @triton.jit
-def _zeros_like_piece(BT: tl.constexpr, W: tl.constexpr):
-    """A weight-gradient accumulator [BLOCK_T, W] (a placeholder [BLOCK_T, 1] for W 0)."""
-    if W > 0:
-        z = tl.zeros([BT, W], tl.float32)
+def _bwd_load(ci: tl.constexpr, NQC: tl.constexpr, NKC: tl.constexpr, x_ptr, row_x, tmask,
+              gq_ptr, row_gq, sgq_h, sgq_d, gk_ptr, row_gk, sgk_h, sgk_d, gv_ptr, row_gv, sgv_h,
+              sgv_d, HQ: tl.constexpr, HK: tl.constexpr, Q_NORM: tl.constexpr,
+              K_NORM: tl.constexpr, HAS_GQ: tl.constexpr, HAS_GK: tl.constexpr,
+              HAS_GV: tl.constexpr, G_CONTIG: tl.constexpr, BT: tl.constexpr,
+              BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, HALF: tl.constexpr,
+              ROT_A: tl.constexpr, ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr,
+              HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
+              PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Chunk ci's reads, in their dtypes: (output gradient pieces, input pieces); q chunks, then
+    k, then v (no input: its gradient is grad_v). A gradient that is None is float32 zeros; an
+    input that is not read (no gradient, no norm, v) repeats the gradient's pieces, unused."""
+    if ci < NQC:
+        h0 = ci * BLOCK_HQ
+        BH: tl.constexpr = BLOCK_HQ
+        HAS_G: tl.constexpr = HAS_GQ
+        NORM: tl.constexpr = Q_NORM
+        g_ptr, row_g, sg_h, sg_d, n_heads, xh_ptr = gq_ptr, row_gq, sgq_h, sgq_d, HQ, x_ptr
+    elif ci < NQC + NKC:
+        h0 = (ci - NQC) * BLOCK_HK
+        BH: tl.constexpr = BLOCK_HK
+        HAS_G: tl.constexpr = HAS_GK
+        NORM: tl.constexpr = K_NORM
+        g_ptr, row_g, sg_h, sg_d, n_heads = gk_ptr, row_gk, sgk_h, sgk_d, HK
+        xh_ptr = x_ptr + HQ * HEAD_DIM
     else:
-        z = tl.zeros([BT, 1], tl.float32)
-    return z
-
-
-@triton.jit
-def _column_sum(x):
-    """[BLOCK_T, W]: the sum of x [BLOCK_T, BH, W] over heads (tokens are summed at the end)."""
-    return tl.sum(x, axis=1)
-
-
-@triton.jit
-def _backward_qk(x_ptr, row_x, g_ptr, row_g, sg_h, sg_d, dx_ptr, row_dx, tmask, h0, n_heads,
-                 ca, sa, cb, sb, w_ptr, s_w, w_offset, eps,
-                 axa, aya, axb, ayb, apa, apb, apc, NORM: tl.constexpr, HAS_G: tl.constexpr,
-                 ROTATE: tl.constexpr, G_CONTIG: tl.constexpr, BT: tl.constexpr,
-                 BH: tl.constexpr, HALF: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr,
-                 ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr,
-                 PASS_B: tl.constexpr, PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Input gradient of a chunk of q or k heads, stored into grad_qkv; returns the weight
-    gradient accumulators (a*) plus this chunk's sums of g * normalised x."""
-    if NORM:  # loaded per chunk (L1 hits), as in the forward
-        wxa, wya, wxb, wyb, wpa, wpb, wpc = _weights(w_ptr, s_w, w_offset, HALF, ROT_A, ROT_B,
-                                                     ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
-                                                     PASS_C, INTERLEAVED)
+        h0 = (ci - NQC - NKC) * BLOCK_HK
+        BH: tl.constexpr = BLOCK_HK
+        HAS_G: tl.constexpr = HAS_GV
+        NORM: tl.constexpr = False
+        g_ptr, row_g, sg_h, sg_d, n_heads, xh_ptr = gv_ptr, row_gv, sgv_h, sgv_d, HK, x_ptr
+    gxa, gya, gxb, gyb, gpa, gpb, gpc = _zero_head(BT, BH, ROT_A, ROT_B, PASS_A, PASS_B, PASS_C)
     if HAS_G:
         gxa, gya, gxb, gyb, gpa, gpb, gpc = _load_chunk(
             g_ptr, row_g, tmask, h0, n_heads, sg_h, sg_d, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM,
             HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED, G_CONTIG)
+    xa, ya, xb, yb, pa, pb, pc = gxa, gya, gxb, gyb, gpa, gpb, gpc
+    if HAS_G and NORM:
+        xa, ya, xb, yb, pa, pb, pc = _load_chunk(
+            xh_ptr, row_x, tmask, h0, n_heads, HEAD_DIM, 1, BT, BH, HALF, ROT_A, ROT_B,
+            ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED, True)
+    return gxa, gya, gxb, gyb, gpa, gpb, gpc, xa, ya, xb, yb, pa, pb, pc
+
+
+@triton.jit
+def _backward_qk(gxa, gya, gxb, gyb, gpa, gpb, gpc, xa, ya, xb, yb, pa, pb, pc, dx_ptr, row_dx,
+                 tmask, h0, n_heads, ca, sa, cb, sb, w_ptr, s_w, w_offset, eps,
+                 axa, aya, axb, ayb, apa, apb, apc, NORM: tl.constexpr, HAS_G: tl.constexpr,
+                 ROTATE: tl.constexpr, BT: tl.constexpr,
+                 BH: tl.constexpr, HALF: tl.constexpr, ROT_A: tl.constexpr, ROT_B: tl.constexpr,
+                 ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr,
+                 PASS_B: tl.constexpr, PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Input gradient of a chunk of q or k heads (its reads from _bwd_load), stored into
+    grad_qkv; returns the weight gradient accumulators (a*, [BLOCK_T, BH, W] float32, the
+    chunk's shape: summed over tokens and heads once, at the end) plus g * normalised x."""
+    if HAS_G:
         gxa, gya, gxb, gyb = _f32(gxa), _f32(gya), _f32(gxb), _f32(gyb)
         gpa, gpb, gpc = _f32(gpa), _f32(gpb), _f32(gpc)
         if ROTATE:  # the rotation's transpose: ca, sa, cb, sb are the inverse angles
             gxa, gya = _rotate_pairs(gxa, gya, ca, sa)
             if ROT_B > 0:
                 gxb, gyb = _rotate_pairs(gxb, gyb, cb, sb)
-        if NORM:
-            xa, ya, xb, yb, pa, pb, pc = _load_chunk(
-                x_ptr, row_x, tmask, h0, n_heads, HEAD_DIM, 1, BT, BH, HALF, ROT_A, ROT_B,
-                ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED, True)
+        if NORM:  # loaded per chunk (L1 hits), as in the forward
+            wxa, wya, wxb, wyb, wpa, wpb, wpc = _weights(w_ptr, s_w, w_offset, HALF, ROT_A,
+                                                         ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A,
+                                                         PASS_B, PASS_C, INTERLEAVED)
             xa, ya, xb, yb = _f32(xa), _f32(ya), _f32(xb), _f32(yb)
             pa, pb, pc = _f32(pa), _f32(pb), _f32(pc)
             rstd = _rstd(xa, ya, xb, yb, pa, pb, pc, eps, HEAD_DIM, ROT_A, ROT_B, PASS_A,
@@ -501,23 +528,23 @@ def _backward_qk(x_ptr, row_x, g_ptr, row_g, sg_h, sg_d, dx_ptr, row_dx, tmask, 
             xa, ya, xb, yb = xa * r3, ya * r3, xb * r3, yb * r3
             pa, pb, pc = pa * r3, pb * r3, pc * r3
             if ROT_A > 0:
-                axa += _column_sum(gxa * xa)
-                aya += _column_sum(gya * ya)
+                axa += gxa * xa
+                aya += gya * ya
                 gxa = gxa * wxa[None, None, :]
                 gya = gya * wya[None, None, :]
             if ROT_B > 0:
-                axb += _column_sum(gxb * xb)
-                ayb += _column_sum(gyb * yb)
+                axb += gxb * xb
+                ayb += gyb * yb
                 gxb = gxb * wxb[None, None, :]
                 gyb = gyb * wyb[None, None, :]
             if PASS_A > 0:
-                apa += _column_sum(gpa * pa)
+                apa += gpa * pa
                 gpa = gpa * wpa[None, None, :]
             if PASS_B > 0:
-                apb += _column_sum(gpb * pb)
+                apb += gpb * pb
                 gpb = gpb * wpb[None, None, :]
             if PASS_C > 0:
-                apc += _column_sum(gpc * pc)
+                apc += gpc * pc
                 gpc = gpc * wpc[None, None, :]
             dot = _head_sum(gxa * xa, gya * ya, gxb * xb, gyb * yb, gpa * pa, gpb * pb, gpc * pc,
                             ROT_A, ROT_B, PASS_A, PASS_B, PASS_C)
@@ -525,9 +552,6 @@ def _backward_qk(x_ptr, row_x, g_ptr, row_g, sg_h, sg_d, dx_ptr, row_dx, tmask, 
             gxa, gya = r3 * (gxa - xa * mean), r3 * (gya - ya * mean)
             gxb, gyb = r3 * (gxb - xb * mean), r3 * (gyb - yb * mean)
             gpa, gpb, gpc = r3 * (gpa - pa * mean), r3 * (gpb - pb * mean), r3 * (gpc - pc * mean)
-    else:
-        gxa, gya, gxb, gyb, gpa, gpb, gpc = _zero_head(BT, BH, ROT_A, ROT_B, PASS_A, PASS_B,
-                                                       PASS_C)
     _store_chunk(gxa, gya, gxb, gyb, gpa, gpb, gpc, dx_ptr, row_dx, tmask, h0, n_heads, HEAD_DIM,
                  1, BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
                  INTERLEAVED, True)
@@ -535,48 +559,35 @@ def _backward_qk(x_ptr, row_x, g_ptr, row_g, sg_h, sg_d, dx_ptr, row_dx, tmask, 
 
 
 @triton.jit
+def _total(a):
+    """[W]: an accumulator [BLOCK_T, BH, W] summed over its tokens and heads."""
+    return tl.sum(tl.sum(a, axis=1), axis=0)
+
+
+@triton.jit
 def _store_weight_grads(ptr, axa, aya, axb, ayb, apa, apb, apc, HALF: tl.constexpr,
                         ROT_A: tl.constexpr, ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr,
                         HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
                         PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """The program's row of weight-gradient partial sums (the accumulators [BLOCK_T, W] summed
-    over their tokens), each piece at its head dims."""
+    """The program's row of weight-gradient partial sums (the accumulators [BLOCK_T, BH, W]
+    summed over their tokens and heads), each piece at its head dims."""
     if ROT_A > 0:
         dx, dy, m = _pair_dims(0, ROT_A, HALF, INTERLEAVED)
-        tl.store(ptr + dx, tl.sum(axa, axis=0), mask=m)
-        tl.store(ptr + dy, tl.sum(aya, axis=0), mask=m)
+        tl.store(ptr + dx, _total(axa), mask=m)
+        tl.store(ptr + dy, _total(aya), mask=m)
     if ROT_B > 0:
         dx, dy, m = _pair_dims(ROT_A, ROT_B, HALF, INTERLEAVED)
-        tl.store(ptr + dx, tl.sum(axb, axis=0), mask=m)
-        tl.store(ptr + dy, tl.sum(ayb, axis=0), mask=m)
+        tl.store(ptr + dx, _total(axb), mask=m)
+        tl.store(ptr + dy, _total(ayb), mask=m)
     if PASS_A > 0:
         d = ROTARY_DIM + tl.arange(0, PASS_A)
-        tl.store(ptr + d, tl.sum(apa, axis=0), mask=d < HEAD_DIM)
+        tl.store(ptr + d, _total(apa), mask=d < HEAD_DIM)
     if PASS_B > 0:
         d = ROTARY_DIM + PASS_A + tl.arange(0, PASS_B)
-        tl.store(ptr + d, tl.sum(apb, axis=0), mask=d < HEAD_DIM)
+        tl.store(ptr + d, _total(apb), mask=d < HEAD_DIM)
     if PASS_C > 0:
         d = ROTARY_DIM + PASS_A + PASS_B + tl.arange(0, PASS_C)
-        tl.store(ptr + d, tl.sum(apc, axis=0), mask=d < HEAD_DIM)
-
-
-@triton.jit
-def _copy_v(g_ptr, row_g, sg_h, sg_d, dx_ptr, row_dx, tmask, h0, n_heads, HAS_G: tl.constexpr,
-            G_CONTIG: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, HALF: tl.constexpr,
-            ROT_A: tl.constexpr, ROT_B: tl.constexpr, ROTARY_DIM: tl.constexpr,
-            HEAD_DIM: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
-            PASS_C: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """grad_qkv's v heads: grad_v as given (zeros when None)."""
-    if HAS_G:
-        ga, gb, gc, gd, ge, gf, gg = _load_chunk(g_ptr, row_g, tmask, h0, n_heads, sg_h, sg_d,
-                                                 BT, BH, HALF, ROT_A, ROT_B, ROTARY_DIM,
-                                                 HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED,
-                                                 G_CONTIG)
-    else:
-        ga, gb, gc, gd, ge, gf, gg = _zero_head(BT, BH, ROT_A, ROT_B, PASS_A, PASS_B, PASS_C)
-    _store_chunk(ga, gb, gc, gd, ge, gf, gg, dx_ptr, row_dx, tmask, h0, n_heads, HEAD_DIM, 1, BT,
-                 BH, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
-                 INTERLEAVED, True)
+        tl.store(ptr + d, _total(apc), mask=d < HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["n_tokens", "seq_len", "pos_offset", "n_rows"])
@@ -598,9 +609,12 @@ def prologue_backward_kernel(
     HAS_GQ: tl.constexpr, HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, G_CONTIG: tl.constexpr,
     ROT_A: tl.constexpr, ROT_B: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
     PASS_C: tl.constexpr,
-    # the launch configuration: a token walk, BLOCKS_PER_PROGRAM token blocks per program
+    # the launch configuration: a token walk over token blocks pid, pid + programs, ...;
+    # PREFETCH: chunk c + 1's reads issued before chunk c is computed; STAGES > 1: the token
+    # block loop software-pipelined by triton (the next blocks' reads copied asynchronously
+    # into shared memory, STAGES - 1 blocks ahead)
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCKS_PER_PROGRAM: tl.constexpr,
+    PREFETCH: tl.constexpr, STAGES: tl.constexpr,
 ):
     HALF: tl.constexpr = ROTARY_DIM // 2
     NQC: tl.constexpr = (HQ + BLOCK_HQ - 1) // BLOCK_HQ
@@ -608,16 +622,26 @@ def prologue_backward_kernel(
     NC: tl.constexpr = NQC + 2 * NKC
 
     pid = tl.program_id(0)
-    qa = (_zeros_like_piece(BLOCK_T, ROT_A), _zeros_like_piece(BLOCK_T, ROT_A),
-          _zeros_like_piece(BLOCK_T, ROT_B), _zeros_like_piece(BLOCK_T, ROT_B),
-          _zeros_like_piece(BLOCK_T, PASS_A), _zeros_like_piece(BLOCK_T, PASS_B),
-          _zeros_like_piece(BLOCK_T, PASS_C))
-    ka = qa
-    for j in range(BLOCKS_PER_PROGRAM):
-        b, sq, tmask = _tokens(pid * BLOCKS_PER_PROGRAM + j, n_tokens, seq_len, BLOCK_T,
-                               TOK_SPLIT)
+    n_programs = tl.num_programs(0)
+    n_blocks = tl.cdiv(n_tokens, BLOCK_T)
+    # The weights' gradient sums in the chunks' shape: adding a chunk's g * n is a
+    # multiply-add per element, no reduction across heads (lanes and warps) per chunk.
+    qa = _zero_head(BLOCK_T, BLOCK_HQ, ROT_A, ROT_B, PASS_A, PASS_B, PASS_C)
+    ka = _zero_head(BLOCK_T, BLOCK_HK, ROT_A, ROT_B, PASS_A, PASS_B, PASS_C)
+    for blk in tl.range(pid, n_blocks, n_programs, num_stages=STAGES):
+        b, sq, tmask = _tokens(blk, n_tokens, seq_len, BLOCK_T, TOK_SPLIT)
         row_x = b * sx_b + sq * sx_s
         row_dx = b * sdx_b + sq * sdx_s
+        row_gq = b * sgq_b + sq * sgq_s
+        row_gk = b * sgk_b + sq * sgk_s
+        row_gv = b * sgv_b + sq * sgv_s
+        # chunk 0's reads go out before the angles' (their latency overlaps the position ->
+        # row chain)
+        cur = _bwd_load(0, NQC, NKC, x_ptr, row_x, tmask, gq_ptr, row_gq, sgq_h, sgq_d, gk_ptr,
+                        row_gk, sgk_h, sgk_d, gv_ptr, row_gv, sgv_h, sgv_d, HQ, HK, Q_NORM,
+                        K_NORM, HAS_GQ, HAS_GK, HAS_GV, G_CONTIG, BLOCK_T, BLOCK_HQ, BLOCK_HK,
+                        HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                        INTERLEAVED)
         ca, sa, cb, sb = eps, eps, eps, eps
         if ROTATE:
             ca, sa, cb, sb = _angles(pos_ptr, cos_ptr, sin_ptr, turns_ptr, b, sq, tmask, sp_a,
@@ -625,26 +649,42 @@ def prologue_backward_kernel(
                                      attn_factor, ANGLES, HALF, ROT_A, ROT_B, HAS_POS, HAS_TURNS,
                                      MROPE_S1, MROPE_S2, MROPE_INTERLEAVED, LIBDEVICE, True)
         for ci in tl.static_range(NC):
+            if ci > 0 and not PREFETCH:
+                cur = _bwd_load(ci, NQC, NKC, x_ptr, row_x, tmask, gq_ptr, row_gq, sgq_h, sgq_d,
+                                gk_ptr, row_gk, sgk_h, sgk_d, gv_ptr, row_gv, sgv_h, sgv_d, HQ,
+                                HK, Q_NORM, K_NORM, HAS_GQ, HAS_GK, HAS_GV, G_CONTIG, BLOCK_T,
+                                BLOCK_HQ, BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM,
+                                PASS_A, PASS_B, PASS_C, INTERLEAVED)
+            if PREFETCH and ci + 1 < NC:
+                nxt = _bwd_load(ci + 1, NQC, NKC, x_ptr, row_x, tmask, gq_ptr, row_gq, sgq_h,
+                                sgq_d, gk_ptr, row_gk, sgk_h, sgk_d, gv_ptr, row_gv, sgv_h, sgv_d,
+                                HQ, HK, Q_NORM, K_NORM, HAS_GQ, HAS_GK, HAS_GV, G_CONTIG,
+                                BLOCK_T, BLOCK_HQ, BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM,
+                                HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
             if ci < NQC:
                 qa = _backward_qk(
-                    x_ptr, row_x, gq_ptr, b * sgq_b + sq * sgq_s, sgq_h, sgq_d, dx_ptr, row_dx,
-                    tmask, ci * BLOCK_HQ, HQ, ca, sa, cb, sb, qw_ptr, s_qw, w_offset, eps, qa[0],
-                    qa[1], qa[2], qa[3], qa[4], qa[5], qa[6], Q_NORM, HAS_GQ, ROTATE, G_CONTIG,
-                    BLOCK_T, BLOCK_HQ, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
-                    PASS_C, INTERLEAVED)
+                    cur[0], cur[1], cur[2], cur[3], cur[4], cur[5], cur[6], cur[7], cur[8],
+                    cur[9], cur[10], cur[11], cur[12], cur[13], dx_ptr, row_dx, tmask,
+                    ci * BLOCK_HQ, HQ, ca, sa, cb, sb, qw_ptr, s_qw, w_offset, eps, qa[0], qa[1],
+                    qa[2], qa[3], qa[4], qa[5], qa[6], Q_NORM, HAS_GQ, ROTATE, BLOCK_T, BLOCK_HQ,
+                    HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                    INTERLEAVED)
             elif ci < NQC + NKC:
                 ka = _backward_qk(
-                    x_ptr + HQ * HEAD_DIM, row_x, gk_ptr, b * sgk_b + sq * sgk_s, sgk_h, sgk_d,
-                    dx_ptr + HQ * HEAD_DIM, row_dx, tmask, (ci - NQC) * BLOCK_HK, HK, ca, sa, cb,
-                    sb, kw_ptr, s_kw, w_offset, eps, ka[0], ka[1], ka[2], ka[3], ka[4], ka[5],
-                    ka[6], K_NORM, HAS_GK, ROTATE, G_CONTIG, BLOCK_T, BLOCK_HK, HALF, ROT_A,
-                    ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
-            else:
-                _copy_v(gv_ptr, b * sgv_b + sq * sgv_s, sgv_h, sgv_d,
-                        dx_ptr + (HQ + HK) * HEAD_DIM, row_dx, tmask,
-                        (ci - NQC - NKC) * BLOCK_HK, HK, HAS_GV, G_CONTIG, BLOCK_T, BLOCK_HK,
-                        HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
-                        INTERLEAVED)
+                    cur[0], cur[1], cur[2], cur[3], cur[4], cur[5], cur[6], cur[7], cur[8],
+                    cur[9], cur[10], cur[11], cur[12], cur[13], dx_ptr + HQ * HEAD_DIM, row_dx,
+                    tmask, (ci - NQC) * BLOCK_HK, HK, ca, sa, cb, sb, kw_ptr, s_kw, w_offset,
+                    eps, ka[0], ka[1], ka[2], ka[3], ka[4], ka[5], ka[6], K_NORM, HAS_GK, ROTATE,
+                    BLOCK_T, BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
+                    PASS_C, INTERLEAVED)
+            else:  # grad_v as given (zeros when None)
+                _store_chunk(cur[0], cur[1], cur[2], cur[3], cur[4], cur[5], cur[6],
+                             dx_ptr + (HQ + HK) * HEAD_DIM, row_dx, tmask,
+                             (ci - NQC - NKC) * BLOCK_HK, HK, HEAD_DIM, 1, BLOCK_T, BLOCK_HK,
+                             HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
+                             INTERLEAVED, True)
+            if PREFETCH and ci + 1 < NC:
+                cur = nxt
     if Q_NORM:
         _store_weight_grads(dqw_ptr + pid * HEAD_DIM, qa[0], qa[1], qa[2], qa[3], qa[4], qa[5],
                             qa[6], HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
