@@ -15,7 +15,7 @@ import torch
 
 from rope_ops.backend import PrologueArgs, prologue_forward_torch
 
-from . import (_INTERPRET, WALK_PROGRAMS_PER_SM, CallShape, ChunkRules, KernelConfig,
+from . import (_INTERPRET, CallShape, ChunkRules, KernelConfig,
                _angle_pointers, _angle_source, _cdiv, _kernels, _next_pow2, _prev_pow2,
                _stand_in, _strides4, candidate_configs, device_info, launch_policy, parse_label,
                pass_pieces, rotary_pieces)
@@ -24,16 +24,22 @@ _FP8 = getattr(torch, "float8_e4m3fn", None)
 CACHE_NONE, CACHE_SAME, CACHE_SCALED, CACHE_SCALED_GRID = 0, 1, 2, 3  # prologue_kernels.CACHE_*
 # The backward's grid: at most this many programs per SM, each walking token blocks pid,
 # pid + programs, ... (one row of weight-gradient partial sums per program).
-BACKWARD_PROGRAMS_PER_SM = WALK_PROGRAMS_PER_SM
+# The backward's token-block loop: triton's software pipelining with up to this many stages (the
+# next STAGES - 1 blocks' reads copied asynchronously into shared memory while one is computed,
+# as the CUDA backward stages its rows), fewer where the staged reads would take more than
+# BACKWARD_STAGED_BYTES_PER_WARP per warp of the program. Latency is hidden by blocks in flight,
+# not by wide blocks: a token block holds BACKWARD_STEP_BYTES of each chunk's widest piece, read
+# by at most 4 warps (8 bytes a thread). H100, triton 3.6, 2026-12-07, training step [2, 4096],
+# 32/8 heads, D 128, bf16, QK-norm, in one run: 1 token, 4 warps, 3 stages, 2 programs per SM
+# 181.6 us (forward + backward; same-bytes copy 167.8); 2 stages 199.2; 4 programs per SM 193.0;
+# 8 warps 210.2; 2 tokens 193.6; 4 tokens at 8 warps, 2 stages, 4 programs per SM 224.2.
+BACKWARD_PROGRAMS_PER_SM = 2
+BACKWARD_STAGES = 3
+BACKWARD_STAGED_BYTES_PER_WARP = 24 * 1024  # 2 programs of 4 warps: 192 KiB of an SM's 228
+BACKWARD_STEP_BYTES = 1024
+BACKWARD_MAX_WARPS = 4
 # The backward prefetches chunk c + 1's reads before computing chunk c (tooling may override).
 BACKWARD_PREFETCH = False
-# The backward's token-block loop: triton's software pipelining with this many stages (the next
-# STAGES - 1 blocks' reads copied asynchronously into shared memory while one is computed, as
-# the CUDA backward stages its rows); 1: none. Only where the staged reads take at most
-# BACKWARD_STAGED_BYTES_PER_WARP per warp of the program: shared memory then allows the 16 warps
-# per SM that PROLOGUE_MAX_REGISTERS does (the training step, 8 warps: 92 KiB, two programs).
-BACKWARD_STAGES = 2
-BACKWARD_STAGED_BYTES_PER_WARP = 14 * 1024
 # weight_grads' tiles: at most this many rows of partial sums, and floats in all.
 WEIGHT_GRAD_ROWS = 1024
 WEIGHT_GRAD_TILE = 8192
@@ -235,33 +241,35 @@ def _staged_bytes(args: PrologueArgs, block_t: int, block_hq: int, block_hk: int
 
 
 def backward_config(args: PrologueArgs) -> KernelConfig:
-    """The backward's configuration (a token walk): the policy's token block and chunks, with
-    the warps that give each thread one 16-byte vector of a chunk's widest piece (its weight
-    gradient sums are kept in the chunk's shape, a register per element a thread holds); token
-    blocks halved while that would take more than 8 warps."""
+    """The backward's configuration (a token walk): the policy's chunks of heads, a token block
+    of at least BACKWARD_STEP_BYTES of the chunks' widest piece (16 tokens at most), read by
+    warps of 8 bytes a thread, at most BACKWARD_MAX_WARPS (its weight-gradient sums are kept in
+    the chunk's shape, a register per element a thread holds)."""
     cfg = prologue_policy(args)
     hq, hk, d = args.num_q_heads, args.num_kv_heads, args.head_dim
     r = args.rotary_dim if args.rotate else 0
     rot_a, rot_b, pass_a, pass_b, pass_c = prologue_pieces(r, d)
     wide = 2 if args.interleaved else 1  # GPT-J pairs are read as one span of 2W elements
     widest = max(rot_a * wide, rot_b * wide, pass_a, pass_b, pass_c, 1)
-    vector = max(1, 16 // args.qkv.element_size())
-    block_t = cfg.block_t
     block_h = max(min(cfg.block_hq, _next_pow2(hq)), min(cfg.block_hk, _next_pow2(hk)))
-    while block_t > 1 and block_t * block_h * widest > 8 * 32 * vector:
-        block_t //= 2
-    warps = min(8, max(1, _prev_pow2(block_t * block_h * widest // (32 * vector))))
+    row_bytes = block_h * widest * args.qkv.element_size()  # one token's widest piece
+    block_t = 1
+    while block_t < 16 and block_t * row_bytes < BACKWARD_STEP_BYTES:
+        block_t *= 2
+    warps = min(BACKWARD_MAX_WARPS, max(1, _prev_pow2(block_t * row_bytes // (32 * 8))))
     return KernelConfig(False, block_t, cfg.block_hq, cfg.block_hk, warps)
 
 
 def backward_stages(args: PrologueArgs, cfg: KernelConfig, stages: int,
                     has_grads=(True, True, True)) -> int:
-    """``stages``, or 1 where its staged reads would take more than
-    BACKWARD_STAGED_BYTES_PER_WARP per warp."""
+    """``stages``, or fewer while its staged reads would take more than
+    BACKWARD_STAGED_BYTES_PER_WARP per warp (1: no staging)."""
     block_hq = min(cfg.block_hq, _next_pow2(args.num_q_heads))
     block_hk = min(cfg.block_hk, _next_pow2(args.num_kv_heads))
-    staged = (stages - 1) * _staged_bytes(args, cfg.block_t, block_hq, block_hk, has_grads)
-    return stages if staged <= BACKWARD_STAGED_BYTES_PER_WARP * cfg.num_warps else 1
+    per_stage = _staged_bytes(args, cfg.block_t, block_hq, block_hk, has_grads)
+    while stages > 1 and (stages - 1) * per_stage > BACKWARD_STAGED_BYTES_PER_WARP * cfg.num_warps:
+        stages -= 1
+    return stages
 
 
 def backward_launch(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | None = None,
