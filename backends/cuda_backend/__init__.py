@@ -199,10 +199,10 @@ class CudaBackend(Backend):
 
     def priority_for(self, call: RopeCall) -> int:
         # Fused prologue calls rank below Triton except half-precision training: on the H100
-        # (csrc/NOTES.md's table) Triton's prologue took 143.5 us against 143.6 on a
-        # Qwen3-8B-like prefill, 123.4 against 128.4 in place, 5.11 against 5.58 on a 256-token
-        # decode with a cache write and 99.0 against 105.0 on an fp32 head_dim-64 training step,
-        # while these kernels took 192.5 against 333.9 us on a bf16 training step (forward +
+        # (csrc/NOTES.md's table) Triton's prologue took 143.6 us against 143.7 on a
+        # Qwen3-8B-like prefill, 123.4 against 128.4 in place, 5.08 against 5.51 on a 256-token
+        # decode with a cache write and 97.0 against 104.3 on an fp32 head_dim-64 training step,
+        # while these kernels took 192.3 against 194.7 us on a bf16 training step (forward +
         # backward). (The H200 ranked them so with the kernels before staging.)
         if call.op == "prologue" and not (call.needs_grad and call.dtype != torch.float32):
             return self.BELOW_TRITON

@@ -30,7 +30,8 @@ CACHE_NONE, CACHE_SAME, CACHE_SCALED, CACHE_SCALED_GRID = 0, 1, 2, 3  # prologue
 # BACKWARD_STAGED_BYTES_PER_WARP per warp of the program. Latency is hidden by blocks in flight,
 # not by wide blocks: a token block holds BACKWARD_STEP_BYTES of each chunk's widest piece, read
 # by at most 4 warps (8 bytes a thread). H100, triton 3.6, 2026-12-07, training step [2, 4096],
-# 32/8 heads, D 128, bf16, QK-norm, in one run: 1 token, 4 warps, 3 stages, 2 programs per SM
+# 32/8 heads, D 128, bf16, QK-norm, in one run on one input set (NOTES.md: the table, and the
+# timing on rotated inputs): 1 token, 4 warps, 3 stages, 2 programs per SM
 # 181.6 us (forward + backward; same-bytes copy 167.8); 2 stages 199.2; 4 programs per SM 193.0;
 # 8 warps 210.2; 2 tokens 193.6; 4 tokens at 8 warps, 2 stages, 4 programs per SM 224.2.
 BACKWARD_PROGRAMS_PER_SM = 2
