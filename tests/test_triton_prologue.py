@@ -286,6 +286,30 @@ def test_backward(name):
         assert_grad_close(g, ref_grad, torch.float32, f"{name}: d {wname}_weight", rel=1e-4)
 
 
+def test_backward_candidates_all_match_the_reference():
+    """Every configuration the tooling times for the backward (the policy's first, then its
+    neighbours, each fitting the shared-memory budget) gives the reference's gradients."""
+    case = Case(seed=7, lead=(9,), hq=4, hk=2, D=32)
+    cands = tp.backward_candidates(case.args)
+    assert cands[0] == (tp.backward_config(case.args).label(), tp.backward_stages(
+        case.args, tp.backward_config(case.args), tp.BACKWARD_STAGES),
+        tp.BACKWARD_PROGRAMS_PER_SM)
+    assert len(set(cands)) == len(cands) >= 5
+    gen = torch.Generator().manual_seed(8)
+    grads = [torch.randn(9, h, 32, generator=gen).to(case.dtype).to(DEVICE) for h in (4, 2, 2)]
+    ref_x, ref_qw, ref_kw = reference_backward(case, grads)
+    for cand in cands:
+        cfg = tb.parse_label(cand.label)
+        assert tp.backward_stages(case.args, cfg, cand.stages) == cand.stages
+        got = tp.run_prologue_backward(case.args, *grads, label=cand.label,
+                                       programs_per_sm=cand.programs_per_sm, stages=cand.stages)
+        assert_grad_close(got[0], ref_x, case.dtype, f"{cand.describe()}: d qkv")
+        assert_grad_close(got[1], ref_qw.grad, torch.float32, f"{cand.describe()}: d q_weight",
+                          rel=1e-4)
+        assert_grad_close(got[2], ref_kw.grad, torch.float32, f"{cand.describe()}: d k_weight",
+                          rel=1e-4)
+
+
 def test_backward_zero_stride_gradients():
     """Gradients as autograd hands them for a sum (expanded, all strides 0) and transposed
     views: read through their strides."""

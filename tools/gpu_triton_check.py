@@ -35,7 +35,9 @@
    bytes that must move (qkv read once, q, k, v written once, cache rows, positions, distinct
    table rows, weights; the backward's reads and grad_qkv), the policy without its register cap,
    the unfused pipeline (torch RMSNorm + rope_ops.apply) and Hugging Face's Qwen3 prologue under
-   torch.compile on the forward cases, and every prologue candidate configuration.
+   torch.compile on the forward cases, every prologue candidate configuration and, on the
+   training cases, the backward's own candidates (`backward_candidates`: token block, warps,
+   pipeline stages, programs per SM) behind the policy's forward.
 
 Exit status 1 when a correctness check failed; timings never fail the run. The summary ends with
 the lines to send back; --json writes everything.
@@ -663,14 +665,20 @@ def prologue_n_sets(pc: PrologueCase) -> int:
     return max(2, min(64, math.ceil(L2_ROTATION_BYTES / max(pc.data_bytes(), 1))))
 
 
-def prologue_fns(inp: PrologueInputs, label=None, max_registers="policy") -> list:
-    """The timed calls of a prologue case, one per input set (forward, then the backward)."""
+def prologue_fns(inp: PrologueInputs, label=None, max_registers="policy", backward=None) -> list:
+    """The timed calls of a prologue case, one per input set (forward, then the backward).
+    ``backward``: a tp.BackwardCandidate for the backward (the forward then the policy's)."""
     from rope_ops_backends.triton_backend import prologue as tp
 
     cap = tp.PROLOGUE_MAX_REGISTERS if max_registers == "policy" else max_registers
     fns = []
     for args, grads in inp.sets:
-        if inp.pc.backward:
+        if inp.pc.backward and backward is not None:
+            fns.append(lambda a=args, g=grads: (
+                tp.run_prologue(a, None, cap),
+                tp.run_prologue_backward(a, *g, backward.label, cap, backward.programs_per_sm,
+                                         None, backward.stages)))
+        elif inp.pc.backward:
             fns.append(lambda a=args, g=grads: (tp.run_prologue(a, label, cap),
                                                 tp.run_prologue_backward(a, *g, label, cap)))
         else:
@@ -771,6 +779,14 @@ def time_prologue(pc: PrologueCase, study: bool, deadline: float) -> dict:
     if study:
         time_candidates(row, labels, lambda label, inp=inp: graph_us(
             prologue_fns(inp, label), iters=3), deadline)
+    if study and pc.backward:  # the backward's own neighbours, the forward as the policy has it
+        cands = {c.describe(): c for c in tp.backward_candidates(inp.sets[0][0])}
+        sub = {"policy": f"backward {next(iter(cands))}"}
+        time_candidates(sub, list(cands), lambda d, inp=inp: graph_us(
+            prologue_fns(inp, backward=cands[d]), iters=3), deadline)
+        row["backward_candidates"] = sub["candidates"]
+        if "best" in sub:
+            row["backward_best"], row["backward_best_us"] = sub["best"], sub["best_us"]
     del inp
     torch.cuda.empty_cache()
     return row
@@ -1242,6 +1258,8 @@ def main() -> int:
                 note += f"  [HF Qwen3 compiled {r['hf_compiled_us']}]"
             if "best" in r:
                 note += f"  [{r['best']}: {r['best_us']}]"
+            if "backward_best" in r:
+                note += f"  [backward {r['backward_best']}: {r['backward_best_us']}]"
             print(f"{r['case']:30s} {r['MB']:8.1f} {r['us']:9.2f} {r['copy_us']:9.2f} "
                   f"{r['pct_copy']:6.1f}%  {r['policy']}{note}")
         print("prologue target (PERF.md): >= 85 % of copy on prefill and training")

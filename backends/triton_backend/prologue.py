@@ -273,6 +273,41 @@ def backward_stages(args: PrologueArgs, cfg: KernelConfig, stages: int,
     return stages
 
 
+class BackwardCandidate(NamedTuple):
+    """A backward configuration to time (tooling): the token walk's label, pipeline stages and
+    programs per SM, as ``run_prologue_backward`` takes them."""
+
+    label: str
+    stages: int
+    programs_per_sm: int
+
+    def describe(self) -> str:
+        return f"{self.label} st{self.stages} pps{self.programs_per_sm}"
+
+
+def backward_candidates(args: PrologueArgs) -> list[BackwardCandidate]:
+    """The backward policy's choice, then its neighbours: token block x2 and /2, warps x2 and /2,
+    a stage more and fewer, programs per SM x2 and /2 (stages stepped down to fit shared memory,
+    as the launch does; duplicates dropped). Tooling only."""
+    cfg = backward_config(args)
+    g, bt, bhq, bhk, w = cfg
+    st, pps = BACKWARD_STAGES, BACKWARD_PROGRAMS_PER_SM
+    raw = [(cfg, st, pps),
+           (KernelConfig(g, bt * 2, bhq, bhk, w), st, pps),
+           (KernelConfig(g, bt // 2, bhq, bhk, w), st, pps),
+           (KernelConfig(g, bt, bhq, bhk, w * 2), st, pps),
+           (KernelConfig(g, bt, bhq, bhk, w // 2), st, pps),
+           (cfg, st + 1, pps), (cfg, st - 1, pps), (cfg, st, pps * 2), (cfg, st, pps // 2)]
+    out: list[BackwardCandidate] = []
+    for c, stages, per_sm in raw:
+        if not (1 <= c.block_t <= 16 and 1 <= c.num_warps <= 8 and stages >= 1 and per_sm >= 1):
+            continue
+        cand = BackwardCandidate(c.label(), backward_stages(args, c, stages), per_sm)
+        if cand not in out:
+            out.append(cand)
+    return out
+
+
 def backward_launch(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | None = None,
                     max_registers: int | None = PROLOGUE_MAX_REGISTERS,
                     programs_per_sm: int | None = None, prefetch: bool | None = None,
