@@ -1306,6 +1306,14 @@ def prologue_timing(rn: Runner) -> None:
                                 for label, fns in tc.baseline_fns(inp).values())
         except Exception as e:
             baselines = f", baselines: {type(e).__name__}: {e}"
+        if pc.cache:  # decode: every angle computed from freq_turns (no position -> row load)
+            free = [a._replace(cos=a.cos[:0], sin=a.sin[:0]) for a, _ in inp.sets]
+            for name, run in (("cuda", rn.module.prologue), ("triton", tp.run_prologue)):
+                try:
+                    us = tc.graph_us([lambda a=a, run=run: run(a) for a in free], iters=3)
+                    baselines += f", {name} without the table {us:.2f}"
+                except Exception as e:
+                    baselines += f", {name} without the table: {type(e).__name__}"
         print(f"  {pc.name}: cuda {cuda_us:.2f} ({100 * copy / cuda_us:.1f} % of copy), triton {triton}, "
               f"copy {copy:.2f}{baselines}", flush=True)
         del inp

@@ -37,7 +37,9 @@
    the unfused pipeline (torch RMSNorm + rope_ops.apply) and Hugging Face's Qwen3 prologue under
    torch.compile on the forward cases, every prologue candidate configuration and, on the
    training cases, the backward's own candidates (`backward_candidates`: token block, warps,
-   pipeline stages, programs per SM) behind the policy's forward.
+   pipeline stages, programs per SM) behind the policy's forward; on the decode cases, the
+   policy with every angle computed from freq_turns (an empty table: no position -> table row
+   load in the chain).
 
 Exit status 1 when a correctness check failed; timings never fail the run. The summary ends with
 the lines to send back; --json writes everything.
@@ -779,6 +781,10 @@ def time_prologue(pc: PrologueCase, study: bool, deadline: float) -> dict:
     if study:
         time_candidates(row, labels, lambda label, inp=inp: graph_us(
             prologue_fns(inp, label), iters=3), deadline)
+    if study and pc.cache:  # decode: every angle computed from freq_turns, no table row read
+        free = [a._replace(cos=a.cos[:0], sin=a.sin[:0]) for a, _ in inp.sets]
+        row["table_free_us"] = round(graph_us([lambda a=a: tp.run_prologue(a) for a in free],
+                                              iters=3), 2)
     if study and pc.backward:  # the backward's own neighbours, the forward as the policy has it
         cands = {c.describe(): c for c in tp.backward_candidates(inp.sets[0][0])}
         sub = {"policy": f"backward {next(iter(cands))}"}
@@ -1258,6 +1264,8 @@ def main() -> int:
                 note += f"  [HF Qwen3 compiled {r['hf_compiled_us']}]"
             if "best" in r:
                 note += f"  [{r['best']}: {r['best_us']}]"
+            if "table_free_us" in r:
+                note += f"  [angles without the table {r['table_free_us']}]"
             if "backward_best" in r:
                 note += f"  [backward {r['backward_best']}: {r['backward_best_us']}]"
             print(f"{r['case']:30s} {r['MB']:8.1f} {r['us']:9.2f} {r['copy_us']:9.2f} "
