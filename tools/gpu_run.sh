@@ -27,6 +27,10 @@
 #   host        tools/host_cost.py: host time per call of each way in (decode and training)
 #   prologue    tools/gpu_cuda_check.py --prologue-only --prologue-timing: the CUDA fused
 #               prologue's cases, then its GPU time against a same-bytes copy and Triton
+#   prologue-study
+#               tools/gpu_triton_check.py --no-pytest --prologue: Triton's prologue candidates,
+#               the backward's own (token block, warps, stages, programs per SM) and the decode
+#               without table reads, on rotated inputs (then its rope cases while time is left)
 #   e2e         examples/hf_end_to_end.py: a Llama's training step, prefill and decode with and
 #               without rope_ops (transformers' rotary code, patch(model), patch(model, exact=True))
 #   candidates  python -m rope_ops bench --candidates --providers $CANDIDATES (default cuda; or
@@ -138,6 +142,12 @@ fi
 if has prologue; then
   step "CUDA fused prologue: cases and GPU time (against a copy and Triton)"
   timeout "$(left)" python3 tools/gpu_cuda_check.py --prologue-only --prologue-timing 2>&1 | tee "$OUT/prologue_cuda.txt"
+  [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+fi
+if has prologue-study; then
+  step "Triton prologue study: every candidate configuration, on rotated inputs"
+  timeout "$(left)" python3 tools/gpu_triton_check.py --no-pytest --prologue --budget "$(( $(left) - 10 ))" \
+    --json "$OUT/prologue_study.json" 2>&1 | tee "$OUT/prologue_study.txt"
   [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
 fi
 if has e2e; then
