@@ -22,11 +22,11 @@ from . import (_INTERPRET, CallShape, ChunkRules, KernelConfig,
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 CACHE_NONE, CACHE_SAME, CACHE_SCALED, CACHE_SCALED_GRID = 0, 1, 2, 3  # prologue_kernels.CACHE_*
-# The backward's grid: at most this many programs per SM, each walking token blocks pid,
-# pid + programs, ... (one row of weight-gradient partial sums per program).
-# The backward's token-block loop: triton's software pipelining with up to this many stages (the
-# next STAGES - 1 blocks' reads copied asynchronously into shared memory while one is computed,
-# as the CUDA backward stages its rows), fewer where the staged reads would take more than
+# The backward's grid: at most BACKWARD_PROGRAMS_PER_SM programs per SM, each walking token
+# blocks pid, pid + programs, ... (one row of weight-gradient partial sums per program) in a loop
+# that triton software-pipelines with up to BACKWARD_STAGES stages (the next STAGES - 1 blocks'
+# reads copied asynchronously into shared memory while one is computed, as the CUDA backward
+# stages its rows), fewer where the staged reads would take more than
 # BACKWARD_STAGED_BYTES_PER_WARP per warp of the program. Latency is hidden by blocks in flight,
 # not by wide blocks: a token block holds BACKWARD_STEP_BYTES of each chunk's widest piece, read
 # by at most 4 warps (8 bytes a thread). H100, triton 3.6, 2026-12-07, training step [2, 4096],
