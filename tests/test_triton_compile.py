@@ -196,6 +196,8 @@ SCRIPT = textwrap.dedent(r'''
         "prologue training fwd": (prologue(8192, 32, 8, 128, batch=2), False, 16),
         # one token per block at 4 warps: 8 bytes a thread (timed faster than 16: backward_config)
         "prologue training bwd": (prologue(8192, 32, 8, 128, batch=2), True, 8),
+        # three stages of 47 KiB: the largest staging the budget allows at 4 warps
+        "prologue training bwd hd256": (prologue(4096, 32, 8, 256, batch=2), True, 16),
         "prologue decode bf16 cache": (prologue(64, 32, 8, 128, cache=torch.bfloat16), False,
                                        16),
         "prologue decode fp8 cache": (prologue(64, 32, 8, 128, cache=torch.float8_e4m3fn),
@@ -263,6 +265,16 @@ SCRIPT = textwrap.dedent(r'''
             continue
         label, ck = compile_prologue(pargs, backward)
         report(name, label, ck, min_bytes)
+        if backward:  # the stage budget's estimate, with its reserve, bounds what it takes
+            cfg = tb.parse_label(label)
+            given = (True, True, True)
+            stages = tp.backward_stages(pargs, cfg, tp.BACKWARD_STAGES, given, device=H200)
+            staged = (stages - 1) * tp._staged_bytes(
+                pargs, cfg.block_t, min(cfg.block_hq, tb._next_pow2(pargs.num_q_heads)),
+                min(cfg.block_hk, tb._next_pow2(pargs.num_kv_heads)), given)
+            print(f"{'':32s} shared memory {ck.metadata.shared} for {staged} staged")
+            if ck.metadata.shared > staged + tp.BACKWARD_SHARED_RESERVE:
+                bad.append(name + " (shared memory)")
     print("PROBLEMS:", bad if bad else "none")
     sys.exit(1 if bad else 0)
 ''')

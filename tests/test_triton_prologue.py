@@ -382,6 +382,21 @@ def test_qkv_prologue_autograd_through_the_backend():
     assert_grad_close(k_w.grad, w64[1].grad, torch.float32, "d k_norm", rel=1e-4)
 
 
+def test_backward_stages_fit_the_device():
+    """The backward's pipeline stages step down to what one program's shared memory holds: all
+    three on an H100-sized device, fewer on one with 99 KiB a block (sm_86 / sm_89), none where
+    one stage alone would not fit."""
+    case = Case(seed=11, lead=(4,), hq=32, hk=8, D=256)  # 44 KiB staged per token and stage
+    cfg = tp.backward_config(case.args)
+    block_hq, block_hk = min(cfg.block_hq, 32), min(cfg.block_hk, 8)
+    per_stage = tp._staged_bytes(case.args, cfg.block_t, block_hq, block_hk, (True,) * 3)
+    for shared, want in ((227 * 1024, 3), (99 * 1024, 2), (48 * 1024, 1)):
+        device = tb.DeviceInfo(sm_count=132, shared_memory=shared)
+        stages = tp.backward_stages(case.args, cfg, 3, device=device)
+        assert stages == want, (shared, per_stage, stages)
+        assert (stages - 1) * per_stage <= shared - tp.BACKWARD_SHARED_RESERVE
+
+
 def test_policy_and_candidates():
     h200 = tb.DeviceInfo(sm_count=132)
     w1 = tb.CallShape(16384, 32, 8, 128, 128, 2, False)

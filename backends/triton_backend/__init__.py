@@ -43,11 +43,26 @@ def _cdiv(a: int, b: int) -> int:
 
 class DeviceInfo(NamedTuple):
     sm_count: int
+    # shared memory one program may take (the opt-in maximum per block; H100 / H200: 227 KiB)
+    shared_memory: int = 227 * 1024
 
 
 # The interpreter's stand-in for a GPU: small, so the tests' few dozen tokens reach both grids.
 _INTERPRETER_DEVICE = DeviceInfo(sm_count=2)
 _device_infos: dict[int, DeviceInfo] = {}
+
+
+def _shared_memory_per_block(index: int, props) -> int:
+    """The opt-in maximum of shared memory per block: torch's property, else triton's driver,
+    else the 48 KiB every CUDA GPU gives a block."""
+    optin = getattr(props, "shared_memory_per_block_optin", 0)
+    if optin:
+        return int(optin)
+    try:
+        from triton.runtime import driver
+        return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    except Exception:  # an older triton or another driver: the guaranteed minimum
+        return 48 * 1024
 
 
 def device_info(device: torch.device) -> DeviceInfo:
@@ -57,7 +72,8 @@ def device_info(device: torch.device) -> DeviceInfo:
     index = device.index if device.index is not None else torch.cuda.current_device()
     info = _device_infos.get(index)
     if info is None:
-        info = DeviceInfo(torch.cuda.get_device_properties(index).multi_processor_count)
+        props = torch.cuda.get_device_properties(index)
+        info = DeviceInfo(props.multi_processor_count, _shared_memory_per_block(index, props))
         _device_infos[index] = info
     return info
 

@@ -15,7 +15,7 @@ import torch
 
 from rope_ops.backend import PrologueArgs, prologue_forward_torch
 
-from . import (_INTERPRET, CallShape, ChunkRules, KernelConfig,
+from . import (_INTERPRET, CallShape, ChunkRules, DeviceInfo, KernelConfig,
                _angle_pointers, _angle_source, _cdiv, _kernels, _next_pow2, _prev_pow2,
                _stand_in, _strides4, candidate_configs, device_info, launch_policy, parse_label,
                pass_pieces, rotary_pieces)
@@ -37,6 +37,10 @@ CACHE_NONE, CACHE_SAME, CACHE_SCALED, CACHE_SCALED_GRID = 0, 1, 2, 3  # prologue
 BACKWARD_PROGRAMS_PER_SM = 2
 BACKWARD_STAGES = 3
 BACKWARD_STAGED_BYTES_PER_WARP = 24 * 1024  # 2 programs of 4 warps: 192 KiB of an SM's 228
+# Shared memory a backward program takes beside its staged reads, kept free under the device's
+# per-block maximum (sm_90, triton 3.9: 51.2 KiB in all for 48.1 KiB staged, 100.5 for 94.0;
+# tests/test_triton_compile.py checks the bound).
+BACKWARD_SHARED_RESERVE = 16 * 1024
 BACKWARD_STEP_BYTES = 1024
 BACKWARD_MAX_WARPS = 4
 # The backward prefetches chunk c + 1's reads before computing chunk c (tooling may override).
@@ -262,13 +266,17 @@ def backward_config(args: PrologueArgs) -> KernelConfig:
 
 
 def backward_stages(args: PrologueArgs, cfg: KernelConfig, stages: int,
-                    has_grads=(True, True, True)) -> int:
+                    has_grads=(True, True, True), device: DeviceInfo | None = None) -> int:
     """``stages``, or fewer while its staged reads would take more than
-    BACKWARD_STAGED_BYTES_PER_WARP per warp (1: no staging)."""
+    BACKWARD_STAGED_BYTES_PER_WARP per warp or more than the device lets one program have
+    (1: no staging)."""
+    device = device_info(args.qkv.device) if device is None else device
     block_hq = min(cfg.block_hq, _next_pow2(args.num_q_heads))
     block_hk = min(cfg.block_hk, _next_pow2(args.num_kv_heads))
     per_stage = _staged_bytes(args, cfg.block_t, block_hq, block_hk, has_grads)
-    while stages > 1 and (stages - 1) * per_stage > BACKWARD_STAGED_BYTES_PER_WARP * cfg.num_warps:
+    budget = min(BACKWARD_STAGED_BYTES_PER_WARP * cfg.num_warps,
+                 device.shared_memory - BACKWARD_SHARED_RESERVE)
+    while stages > 1 and (stages - 1) * per_stage > budget:
         stages -= 1
     return stages
 
