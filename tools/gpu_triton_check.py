@@ -679,7 +679,7 @@ def prologue_fns(inp: PrologueInputs, label=None, max_registers="policy", backwa
             fns.append(lambda a=args, g=grads: (
                 tp.run_prologue(a, None, cap),
                 tp.run_prologue_backward(a, *g, backward.label, cap, backward.programs_per_sm,
-                                         None, backward.stages)))
+                                         backward.stages)))
         elif inp.pc.backward:
             fns.append(lambda a=args, g=grads: (tp.run_prologue(a, label, cap),
                                                 tp.run_prologue_backward(a, *g, label, cap)))

@@ -43,8 +43,6 @@ BACKWARD_STAGED_BYTES_PER_WARP = 24 * 1024  # 2 programs of 4 warps: 192 KiB of 
 BACKWARD_SHARED_RESERVE = 16 * 1024
 BACKWARD_STEP_BYTES = 1024
 BACKWARD_MAX_WARPS = 4
-# The backward prefetches chunk c + 1's reads before computing chunk c (tooling may override).
-BACKWARD_PREFETCH = False
 # weight_grads' tiles: at most this many rows of partial sums, and floats in all.
 WEIGHT_GRAD_ROWS = 1024
 WEIGHT_GRAD_TILE = 8192
@@ -318,11 +316,11 @@ def backward_candidates(args: PrologueArgs) -> list[BackwardCandidate]:
 
 def backward_launch(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | None = None,
                     max_registers: int | None = PROLOGUE_MAX_REGISTERS,
-                    programs_per_sm: int | None = None, prefetch: bool | None = None,
+                    programs_per_sm: int | None = None,
                     stages: int | None = None) -> PrologueLaunch:
     """The backward's launch, with the grad_qkv it writes and the weight gradients' partial
     sums ([programs, D] float32, one row per program). ``label``, ``programs_per_sm``,
-    ``prefetch``, ``stages``: another configuration (tooling)."""
+    ``stages``: another configuration (tooling)."""
     thd = args.layout == "thd"
     qkv = args.qkv
     hq, hk, d = args.num_q_heads, args.num_kv_heads, args.head_dim
@@ -364,8 +362,7 @@ def backward_launch(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | Non
         hq, hk, d, r, bool(args.interleaved), _tok_split(batch, seq), bool(args.rotate),
         *angle_consts, _kernels()["libdevice"], q_norm, k_norm, grad_q is not None,
         grad_k is not None, grad_v is not None, contig,
-        *prologue_pieces(r, d), cfg.block_t, block_hq, block_hk,
-        BACKWARD_PREFETCH if prefetch is None else bool(prefetch), stages)
+        *prologue_pieces(r, d), cfg.block_t, block_hq, block_hk, stages)
     return PrologueLaunch(programs, cfg.num_warps, arguments, max_registers, grad_qkv, partials)
 
 
@@ -386,14 +383,13 @@ def run_prologue(args: PrologueArgs, label: str | None = None,
 
 def run_prologue_backward(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | None = None,
                           max_registers: int | None = PROLOGUE_MAX_REGISTERS,
-                          programs_per_sm: int | None = None, prefetch: bool | None = None,
-                          stages: int | None = None):
+                          programs_per_sm: int | None = None, stages: int | None = None):
     """(grad_qkv, grad of q_weight, grad of k_weight): the weight gradients float32 [D], None
     where the weight is None. args.qkv is the forward's input; grads may be None (zero).
-    ``label``, ``max_registers``, ``programs_per_sm``, ``prefetch``, ``stages``: another
-    configuration (tooling)."""
+    ``label``, ``max_registers``, ``programs_per_sm``, ``stages``: another configuration
+    (tooling)."""
     launch = backward_launch(args, grad_q, grad_k, grad_v, label, max_registers,
-                             programs_per_sm, prefetch, stages)
+                             programs_per_sm, stages)
     with _on_device(args.qkv.device):
         _kernels()["prologue_kernels"].prologue_backward_kernel[(launch.programs,)](
             *launch.arguments, **launch.options())

@@ -610,11 +610,10 @@ def prologue_backward_kernel(
     ROT_A: tl.constexpr, ROT_B: tl.constexpr, PASS_A: tl.constexpr, PASS_B: tl.constexpr,
     PASS_C: tl.constexpr,
     # the launch configuration: a token walk over token blocks pid, pid + programs, ...;
-    # PREFETCH: chunk c + 1's reads issued before chunk c is computed; STAGES > 1: the token
-    # block loop software-pipelined by triton (the next blocks' reads copied asynchronously
-    # into shared memory, STAGES - 1 blocks ahead)
+    # STAGES > 1: the token block loop software-pipelined by triton (the next blocks' reads
+    # copied asynchronously into shared memory, STAGES - 1 blocks ahead)
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    PREFETCH: tl.constexpr, STAGES: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     HALF: tl.constexpr = ROTARY_DIM // 2
     NQC: tl.constexpr = (HQ + BLOCK_HQ - 1) // BLOCK_HQ
@@ -649,18 +648,12 @@ def prologue_backward_kernel(
                                      attn_factor, ANGLES, HALF, ROT_A, ROT_B, HAS_POS, HAS_TURNS,
                                      MROPE_S1, MROPE_S2, MROPE_INTERLEAVED, LIBDEVICE, True)
         for ci in tl.static_range(NC):
-            if ci > 0 and not PREFETCH:
+            if ci > 0:
                 cur = _bwd_load(ci, NQC, NKC, x_ptr, row_x, tmask, gq_ptr, row_gq, sgq_h, sgq_d,
                                 gk_ptr, row_gk, sgk_h, sgk_d, gv_ptr, row_gv, sgv_h, sgv_d, HQ,
                                 HK, Q_NORM, K_NORM, HAS_GQ, HAS_GK, HAS_GV, G_CONTIG, BLOCK_T,
                                 BLOCK_HQ, BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM,
                                 PASS_A, PASS_B, PASS_C, INTERLEAVED)
-            if PREFETCH and ci + 1 < NC:
-                nxt = _bwd_load(ci + 1, NQC, NKC, x_ptr, row_x, tmask, gq_ptr, row_gq, sgq_h,
-                                sgq_d, gk_ptr, row_gk, sgk_h, sgk_d, gv_ptr, row_gv, sgv_h, sgv_d,
-                                HQ, HK, Q_NORM, K_NORM, HAS_GQ, HAS_GK, HAS_GV, G_CONTIG,
-                                BLOCK_T, BLOCK_HQ, BLOCK_HK, HALF, ROT_A, ROT_B, ROTARY_DIM,
-                                HEAD_DIM, PASS_A, PASS_B, PASS_C, INTERLEAVED)
             if ci < NQC:
                 qa = _backward_qk(
                     cur[0], cur[1], cur[2], cur[3], cur[4], cur[5], cur[6], cur[7], cur[8],
@@ -683,8 +676,6 @@ def prologue_backward_kernel(
                              (ci - NQC - NKC) * BLOCK_HK, HK, HEAD_DIM, 1, BLOCK_T, BLOCK_HK,
                              HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B, PASS_C,
                              INTERLEAVED, True)
-            if PREFETCH and ci + 1 < NC:
-                cur = nxt
     if Q_NORM:
         _store_weight_grads(dqw_ptr + pid * HEAD_DIM, qa[0], qa[1], qa[2], qa[3], qa[4], qa[5],
                             qa[6], HALF, ROT_A, ROT_B, ROTARY_DIM, HEAD_DIM, PASS_A, PASS_B,
