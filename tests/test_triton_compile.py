@@ -267,11 +267,8 @@ SCRIPT = textwrap.dedent(r'''
         report(name, label, ck, min_bytes)
         if backward:  # the stage budget's estimate, with its reserve, bounds what it takes
             cfg = tb.parse_label(label)
-            given = (True, True, True)
-            stages = tp.backward_stages(pargs, cfg, tp.BACKWARD_STAGES, given, device=H200)
-            staged = (stages - 1) * tp._staged_bytes(
-                pargs, cfg.block_t, min(cfg.block_hq, tb._next_pow2(pargs.num_q_heads)),
-                min(cfg.block_hk, tb._next_pow2(pargs.num_kv_heads)), given)
+            stages = tp.backward_stages(pargs, cfg, tp.BACKWARD_STAGES, device=H200)
+            staged = (stages - 1) * tp.staged_bytes(pargs, cfg)
             print(f"{'':32s} shared memory {ck.metadata.shared} for {staged} staged")
             if ck.metadata.shared > staged + tp.BACKWARD_SHARED_RESERVE:
                 bad.append(name + " (shared memory)")

@@ -388,8 +388,7 @@ def test_backward_stages_fit_the_device():
     one stage alone would not fit."""
     case = Case(seed=11, lead=(4,), hq=32, hk=8, D=256)  # 44 KiB staged per token and stage
     cfg = tp.backward_config(case.args)
-    block_hq, block_hk = min(cfg.block_hq, 32), min(cfg.block_hk, 8)
-    per_stage = tp._staged_bytes(case.args, cfg.block_t, block_hq, block_hk, (True,) * 3)
+    per_stage = tp.staged_bytes(case.args, cfg)
     for shared, want in ((227 * 1024, 3), (99 * 1024, 2), (48 * 1024, 1)):
         device = tb.DeviceInfo(sm_count=132, shared_memory=shared)
         stages = tp.backward_stages(case.args, cfg, 3, device=device)

@@ -164,6 +164,13 @@ class PrologueLaunch(NamedTuple):
         return opts
 
 
+def _chunk_heads(args: PrologueArgs, cfg: KernelConfig) -> tuple[int, int]:
+    """(q, k) heads of a chunk: the configuration's, at most the call's heads rounded up to a
+    power of two."""
+    return (min(cfg.block_hq, _next_pow2(args.num_q_heads)),
+            min(cfg.block_hk, _next_pow2(args.num_kv_heads)))
+
+
 def forward_launch(args: PrologueArgs, label: str | None = None,
                    max_registers: int | None = PROLOGUE_MAX_REGISTERS) -> PrologueLaunch | None:
     """The forward's launch, or None where the kernel does not apply (no tokens; outputs
@@ -207,8 +214,7 @@ def forward_launch(args: PrologueArgs, label: str | None = None,
     kw, s_kw, k_norm = _weight(args.k_weight, qkv)
     r = args.rotary_dim if args.rotate else 0
     cfg = _config(args, label)
-    block_hq = min(cfg.block_hq, _next_pow2(hq))
-    block_hk = min(cfg.block_hk, _next_pow2(hk))
+    block_hq, block_hk = _chunk_heads(args, cfg)
     store_v = not args.inplace
     n_chunks = _cdiv(hq, block_hq) + _cdiv(hk, block_hk) * (2 if store_v or cache else 1)
     programs = _cdiv(n_tokens, cfg.block_t) * (n_chunks if cfg.head_grid else 1)
@@ -225,12 +231,12 @@ def forward_launch(args: PrologueArgs, label: str | None = None,
     return PrologueLaunch(programs, cfg.num_warps, arguments, max_registers)
 
 
-def _staged_bytes(args: PrologueArgs, block_t: int, block_hq: int, block_hk: int,
-                  has_grads) -> int:
-    """Shared memory one stage of the backward's pipelined token-block loop takes (its reads of
-    a token block: the q and k inputs where normalised, the output gradients given, the angles'
-    table rows and the weights), padded as the kernel's tiles are."""
+def staged_bytes(args: PrologueArgs, cfg: KernelConfig, has_grads=(True, True, True)) -> int:
+    """Shared memory one stage of the backward's pipelined token-block loop takes with ``cfg``
+    (its reads of a token block: the q and k inputs where normalised, the output gradients
+    given, the angles' table rows and the weights), padded as the kernel's tiles are."""
     hq, hk, d = args.num_q_heads, args.num_kv_heads, args.head_dim
+    block_hq, block_hk = _chunk_heads(args, cfg)
     r = args.rotary_dim if args.rotate else 0
     rot_a, rot_b, pass_a, pass_b, pass_c = prologue_pieces(r, d)
     width = 2 * (rot_a + rot_b) + pass_a + pass_b + pass_c  # a head as its pieces
@@ -240,7 +246,7 @@ def _staged_bytes(args: PrologueArgs, block_t: int, block_hq: int, block_hk: int
     g_heads = sum(n for n, on in zip((heads_q, heads_k, heads_k), has_grads) if on)
     angles = 2 * (rot_a + rot_b) * 4 + 8  # cos and sin rows (float32) and the position
     weights = 2 * width * 4
-    return block_t * ((x_heads + g_heads) * width * args.qkv.element_size() + angles) + weights
+    return cfg.block_t * ((x_heads + g_heads) * width * args.qkv.element_size() + angles) + weights
 
 
 def backward_config(args: PrologueArgs) -> KernelConfig:
@@ -249,12 +255,11 @@ def backward_config(args: PrologueArgs) -> KernelConfig:
     warps of 8 bytes a thread, at most BACKWARD_MAX_WARPS (its weight-gradient sums are kept in
     the chunk's shape, a register per element a thread holds)."""
     cfg = prologue_policy(args)
-    hq, hk, d = args.num_q_heads, args.num_kv_heads, args.head_dim
     r = args.rotary_dim if args.rotate else 0
-    rot_a, rot_b, pass_a, pass_b, pass_c = prologue_pieces(r, d)
+    rot_a, rot_b, pass_a, pass_b, pass_c = prologue_pieces(r, args.head_dim)
     wide = 2 if args.interleaved else 1  # GPT-J pairs are read as one span of 2W elements
     widest = max(rot_a * wide, rot_b * wide, pass_a, pass_b, pass_c, 1)
-    block_h = max(min(cfg.block_hq, _next_pow2(hq)), min(cfg.block_hk, _next_pow2(hk)))
+    block_h = max(_chunk_heads(args, cfg))
     row_bytes = block_h * widest * args.qkv.element_size()  # one token's widest piece
     block_t = 1
     while block_t < 16 and block_t * row_bytes < BACKWARD_STEP_BYTES:
@@ -269,9 +274,7 @@ def backward_stages(args: PrologueArgs, cfg: KernelConfig, stages: int,
     BACKWARD_STAGED_BYTES_PER_WARP per warp or more than the device lets one program have
     (1: no staging)."""
     device = device_info(args.qkv.device) if device is None else device
-    block_hq = min(cfg.block_hq, _next_pow2(args.num_q_heads))
-    block_hk = min(cfg.block_hk, _next_pow2(args.num_kv_heads))
-    per_stage = _staged_bytes(args, cfg.block_t, block_hq, block_hk, has_grads)
+    per_stage = staged_bytes(args, cfg, has_grads)
     budget = min(BACKWARD_STAGED_BYTES_PER_WARP * cfg.num_warps,
                  device.shared_memory - BACKWARD_SHARED_RESERVE)
     while stages > 1 and (stages - 1) * per_stage > budget:
@@ -329,8 +332,7 @@ def backward_launch(args: PrologueArgs, grad_q, grad_k, grad_v, label: str | Non
     batch, seq = x3.shape[0], x3.shape[1]
     n_tokens = batch * seq
     cfg = parse_label(label) if label is not None else backward_config(args)
-    block_hq = min(cfg.block_hq, _next_pow2(hq))
-    block_hk = min(cfg.block_hk, _next_pow2(hk))
+    block_hq, block_hk = _chunk_heads(args, cfg)
     stages = backward_stages(args, cfg, BACKWARD_STAGES if stages is None else int(stages),
                              tuple(g is not None for g in (grad_q, grad_k, grad_v)))
     n_blocks = _cdiv(n_tokens, cfg.block_t)
