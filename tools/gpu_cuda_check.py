@@ -1306,8 +1306,8 @@ def prologue_timing(rn: Runner) -> None:
                                 for label, fns in tc.baseline_fns(inp).values())
         except Exception as e:
             baselines = f", baselines: {type(e).__name__}: {e}"
-        if pc.cache:  # decode: every angle computed from freq_turns (no position -> row load)
-            free = [a._replace(cos=a.cos[:0], sin=a.sin[:0]) for a, _ in inp.sets]
+        if pc.cache:  # decode without the position -> table row load
+            free = tc.table_free_sets(inp)
             for name, run in (("cuda", rn.module.prologue), ("triton", tp.run_prologue)):
                 try:
                     us = tc.graph_us([lambda a=a, run=run: run(a) for a in free], iters=3)

@@ -667,6 +667,12 @@ def prologue_n_sets(pc: PrologueCase) -> int:
     return max(2, min(64, math.ceil(L2_ROTATION_BYTES / max(pc.data_bytes(), 1))))
 
 
+def table_free_sets(inp: PrologueInputs) -> list:
+    """The input sets' arguments with an empty table: every angle computed from freq_turns (the
+    decode's position -> table row load out of its chain; the same angles to float32 rounding)."""
+    return [a._replace(cos=a.cos[:0], sin=a.sin[:0]) for a, _ in inp.sets]
+
+
 def prologue_fns(inp: PrologueInputs, label=None, max_registers="policy", backward=None) -> list:
     """The timed calls of a prologue case, one per input set (forward, then the backward).
     ``backward``: a tp.BackwardCandidate for the backward (the forward then the policy's)."""
@@ -781,13 +787,13 @@ def time_prologue(pc: PrologueCase, study: bool, deadline: float) -> dict:
     if study:
         time_candidates(row, labels, lambda label, inp=inp: graph_us(
             prologue_fns(inp, label), iters=3), deadline)
-    if study and pc.cache:  # decode: every angle computed from freq_turns, no table row read
-        free = [a._replace(cos=a.cos[:0], sin=a.sin[:0]) for a, _ in inp.sets]
+    if study and pc.cache:
+        free = table_free_sets(inp)
         row["table_free_us"] = round(graph_us([lambda a=a: tp.run_prologue(a) for a in free],
                                               iters=3), 2)
     if study and pc.backward:  # the backward's own neighbours, the forward as the policy has it
         cands = {c.describe(): c for c in tp.backward_candidates(inp.sets[0][0])}
-        sub = {"policy": f"backward {next(iter(cands))}"}
+        sub = {}
         time_candidates(sub, list(cands), lambda d, inp=inp: graph_us(
             prologue_fns(inp, backward=cands[d]), iters=3), deadline)
         row["backward_candidates"] = sub["candidates"]
