@@ -19,7 +19,8 @@
 #                 positions, > 2^31 elements;
 #                 compute-sanitizer memcheck on gpu_cuda_check.py --coverage (calls whose
 #                 candidates reach every kernel instantiation) and on the suite's forward cases
-#                 with positions past the table, views and caller tables;
+#                 with positions past the table, views and caller tables; and on Triton's
+#                 prologue tests (cache writes with slots outside the cache among them);
 #                 the transformers models, mRoPE, prologue (against HF, float8 q, Triton's
 #                 kernels) and torch-backend tests on the GPU; the distributed checks on 2 ranks
 #   recheck     the torch.compile tests of the suite on cuda and triton, and the distributed
@@ -98,6 +99,10 @@ if has verify; then
     --pyargs rope_ops.testing --rope-backend cuda \
     -k "test_forward and (beyond or near_2p20 or negative or packed or transposed or caller_tables or thd or inplace) and (float32 or bfloat16)" \
     > "$OUT/sanitizer_suite.txt" 2>&1 & p5=$!
+  # Triton's prologue kernels: forward, cache writes with slots outside the cache, backward
+  timeout "$t" compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_triton_prologue.py -k "forward or cache_write or backward or float8" \
+    > "$OUT/sanitizer_triton_prologue.txt" 2>&1 & p8=$!
   # the models on the GPU with the cuda and triton backends (inductor there too), on the CPU with
   # the torch and cpu backends
   timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_integration_transformers.py \
@@ -111,7 +116,8 @@ if has verify; then
              "$p3:CUDA cases, every candidate:cuda_check" "$p4:sanitizer, every kernel:sanitizer_coverage" \
              "$p5:sanitizer, suite forward cases:sanitizer_suite" \
              "$p6:transformers models on cuda and triton, mRoPE, prologue vs HF, float8 q, Triton prologue, torch backend on CUDA:tests_hf_torch" \
-             "$p7:distributed checks, 2 ranks on the GPU:distributed_cuda"; do
+             "$p7:distributed checks, 2 ranks on the GPU:distributed_cuda" \
+             "$p8:sanitizer, Triton prologue (invalid slots too):sanitizer_triton_prologue"; do
     IFS=: read -r pid label file <<< "$job"
     wait "$pid"; rc=$?
     echo "--- $label: exit $rc"; tail -4 "$OUT/$file.txt"
