@@ -385,15 +385,25 @@ def test_qkv_prologue_autograd_through_the_backend():
 def test_backward_stages_fit_the_device():
     """The backward's pipeline stages step down to what one program's shared memory holds: all
     three on an H100-sized device, fewer on one with 99 KiB a block (sm_86 / sm_89), none where
-    one stage alone would not fit."""
-    case = Case(seed=11, lead=(4,), hq=32, hk=8, D=256)  # 44 KiB staged per token and stage
-    cfg = tp.backward_config(case.args)
+    one stage alone would not fit; and the policy's own configuration fits the device the test
+    runs on."""
+    case = Case(seed=11, lead=(4,), hq=32, hk=8, D=256)
+    # chunks of 8 heads, one token a step, 4 warps: 47 KiB staged per stage (the policy's chunks
+    # depend on the device's SMs, so the configuration is fixed here)
+    cfg = tp.KernelConfig(False, 1, 8, 8, 4)
     per_stage = tp.staged_bytes(case.args, cfg)
     for shared, want in ((227 * 1024, 3), (99 * 1024, 2), (48 * 1024, 1)):
         device = tb.DeviceInfo(sm_count=132, shared_memory=shared)
         stages = tp.backward_stages(case.args, cfg, 3, device=device)
         assert stages == want, (shared, per_stage, stages)
         assert (stages - 1) * per_stage <= shared - tp.BACKWARD_SHARED_RESERVE
+    device = tb.device_info(case.qkv.device)
+    for lead in ((4,), (64,), (2, 300)):
+        args = Case(seed=12, lead=lead, hq=32, hk=8, D=256).args
+        cfg = tp.backward_config(args)
+        stages = tp.backward_stages(args, cfg, tp.BACKWARD_STAGES)
+        assert 1 <= stages <= tp.BACKWARD_STAGES
+        assert (stages - 1) * tp.staged_bytes(args, cfg) <= device.shared_memory - tp.BACKWARD_SHARED_RESERVE
 
 
 def test_policy_and_candidates():
