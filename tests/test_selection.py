@@ -199,8 +199,8 @@ def test_environment_is_read_through_public_apis(monkeypatch):
 
 
 def test_prologue_calls_go_to_the_faster_kernels_or_to_what_can_take_them(monkeypatch):
-    """On a CUDA device prologue calls go to Triton, whose kernels measured faster, except
-    half-precision training, where the CUDA kernels were; without Triton the CUDA backend takes
+    """On a CUDA device prologue calls go to Triton, whose kernels measured faster (training
+    included); without Triton the CUDA backend takes
     every prologue call with position tables (caches of the input's dtype or float8 included).
     mRoPE and per-token tables go to Triton, with the CUDA backend's reason."""
     from rope_ops.backend import RopeCall
@@ -227,9 +227,8 @@ def test_prologue_calls_go_to_the_faster_kernels_or_to_what_can_take_them(monkey
     with registry.override({"cuda": Cuda(), "triton": Triton(), "torch": TorchBackend()}):
         assert _select.select(call()).name == "triton"
         assert _select.select(call(cache=torch.float8_e4m3fn)).name == "triton"
-        assert _select.select(call(needs_grad=True)).name == "cuda"
-        assert _select.select(call(needs_grad=True, dtype=torch.float16)).name == "cuda"
-        assert _select.select(call(needs_grad=True, dtype=torch.float32)).name == "triton"
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            assert _select.select(call(needs_grad=True, dtype=dtype)).name == "triton"
         assert _select.select(call(op="rope")).name == "cuda"  # apply: the CUDA kernels first
         assert _select.select(call(), "cuda").name == "cuda"  # named
         for angles in ("mrope", "token"):
@@ -238,7 +237,7 @@ def test_prologue_calls_go_to_the_faster_kernels_or_to_what_can_take_them(monkey
                        for r in Cuda().supports(call(angles)))
     with registry.override({"cuda": Cuda(), "torch": TorchBackend()}):  # no Triton
         for c in (call(), call(cache=torch.bfloat16), call(cache=torch.float8_e4m3fn),
-                  call(needs_grad=True, dtype=torch.float32)):
+                  call(needs_grad=True), call(needs_grad=True, dtype=torch.float32)):
             assert _select.select(c).name == "cuda"
 
 

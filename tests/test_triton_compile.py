@@ -196,7 +196,7 @@ SCRIPT = textwrap.dedent(r'''
         "prologue training fwd": (prologue(8192, 32, 8, 128, batch=2), False, 16),
         # one token per block at 4 warps: 8 bytes a thread (timed faster than 16: backward_config)
         "prologue training bwd": (prologue(8192, 32, 8, 128, batch=2), True, 8),
-        # three stages of 47 KiB: the largest staging the budget allows at 4 warps
+        # 47 KiB a stage: at 4 warps the per-warp budget stages one (2 stages)
         "prologue training bwd hd256": (prologue(4096, 32, 8, 256, batch=2), True, 16),
         "prologue decode bf16 cache": (prologue(64, 32, 8, 128, cache=torch.bfloat16), False,
                                        16),

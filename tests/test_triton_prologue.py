@@ -388,9 +388,10 @@ def test_backward_stages_fit_the_device():
     one stage alone would not fit; and the policy's own configuration fits the device the test
     runs on."""
     case = Case(seed=11, lead=(4,), hq=32, hk=8, D=256)
-    # chunks of 8 heads, one token a step, 4 warps: 47 KiB staged per stage (the policy's chunks
-    # depend on the device's SMs, so the configuration is fixed here)
-    cfg = tp.KernelConfig(False, 1, 8, 8, 4)
+    # chunks of 8 heads, one token a step, 8 warps (a per-warp budget above what 3 stages take):
+    # 47 KiB staged per stage (the policy's chunks depend on the device's SMs, so the
+    # configuration is fixed here)
+    cfg = tp.KernelConfig(False, 1, 8, 8, 8)
     per_stage = tp.staged_bytes(case.args, cfg)
     for shared, want in ((227 * 1024, 3), (99 * 1024, 2), (48 * 1024, 1)):
         device = tb.DeviceInfo(sm_count=132, shared_memory=shared)
