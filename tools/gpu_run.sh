@@ -43,6 +43,7 @@
 #               of case names: those cases only. Several runs' JSON merge into one results file
 #               with `python -m rope_ops bench --render a.json,b.json --markdown ... --png ...`.
 # Each timed phase is cut at the time left of BUDGET_S (570 s by default, for a 600 s call).
+# PACK_LOGS=1 packs the logs into $OUT/logs.tgz at the end (see there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -181,6 +182,12 @@ if has bench; then
     [ -f "$OUT/matrix.json" ] && python3 -m rope_ops bench --render "$OUT/matrix.json" \
       --markdown "$OUT/results-h200.md" --png "$OUT/results-h200.png" > /dev/null
   fi
+fi
+# PACK_LOGS=1: the logs (*.txt, *.json) moved into one logs.tgz, for machines that hand back
+# only a few files of $OUT (results, plots and the build cache stay beside it).
+if [ "${PACK_LOGS:-0}" = 1 ]; then
+  (cd "$OUT" && logs=$(ls -- *.txt *.json 2>/dev/null) && [ -n "$logs" ] \
+    && tar czf logs.tgz $logs && rm -f $logs)
 fi
 echo; echo "gpu_run.sh: exit $status"
 exit $status
