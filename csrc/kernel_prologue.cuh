@@ -43,6 +43,10 @@ constexpr int kPrologueMaxUnits = 128;  // per row: 32 lanes x 4 units
 // forward stages than 2 cost more than they gain.
 constexpr int kPrologueForwardStages = 2;
 constexpr int kPrologueBackwardStages = 2;
+// The backward's grid: at most this many token-walking blocks per SM (one row of weight-gradient
+// partial sums each). Registers let 4 of 128 threads run at once on sm_90, so 8 is two waves:
+// a block that finishes early gives its SM to the next (tools/prologue_variants.sh times others).
+constexpr int kPrologueBackwardBlocksPerSm = 8;
 
 // Staged: 16-byte vectors and one unit per lane.
 constexpr int prologue_stages(bool staged, bool backward) {
@@ -902,7 +906,8 @@ inline bool plan_prologue(const RopePrologueParams& p, const RopeDevice& dev, bo
     sh.n_rows = (int)(p.Hq + 2 * p.Hk);
     sh.group_stride = (int)groups;
     plan.splits = 1;
-    plan.blocks = tokens < 8 * sms ? tokens : 8 * sms;
+    const int64_t most_blocks = kPrologueBackwardBlocksPerSm * sms;
+    plan.blocks = tokens < most_blocks ? tokens : most_blocks;
     const int64_t sums = groups * r.D * (int64_t)sizeof(float);
     const int64_t ring = prologue_ring_bytes(plan, r, true);
     plan.smem_bytes = (int)(sums > ring ? sums : ring);

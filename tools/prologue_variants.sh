@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Times variants of the fused prologue's CUDA kernels in one run on a GPU: each variant is
 # tools/prologue_kernel_timing.cu built against a copy of csrc/ with the staging constants (and
-# optionally __launch_bounds__ minimum blocks per SM) changed, or against another revision's
+# optionally __launch_bounds__ minimum blocks per SM and the backward's grid blocks per SM)
+# changed, or against another revision's
 # csrc/. Prints each variant's times, its same-bytes copy and its output hash (equal hashes: the
 # same bits; a revision without the weight-gradient kernel hashes the training case differently).
 #
 #   bash tools/prologue_variants.sh                       # the stage sweep below
-#   bash tools/prologue_variants.sh NAME:FWD:BWD[:FWD_MINB:BWD_MINB] ...
+#   bash tools/prologue_variants.sh NAME:FWD:BWD[:FWD_MINB:BWD_MINB[:BWD_GRID_PER_SM]] ...
 #   BASE=<git revision or directory>[,...] bash tools/prologue_variants.sh
 #                                                         # also those revisions' (or csrc
 #                                                         # copies') kernels, first
@@ -32,10 +33,13 @@ build() {  # name src_dir extra_flags...
 
 names=()
 for spec in "${specs[@]}"; do
-  IFS=: read -r name fwd bwd fmin bmin <<< "$spec"
+  IFS=: read -r name fwd bwd fmin bmin bgrid <<< "$spec"
   dir="$work/src_$name"
   cp -r csrc "$dir"
   sed -i "s/kPrologueForwardStages = [0-9]*/kPrologueForwardStages = $fwd/; s/kPrologueBackwardStages = [0-9]*/kPrologueBackwardStages = $bwd/" "$dir/kernel_prologue.cuh"
+  if [ -n "${bgrid:-}" ]; then
+    sed -i "s/kPrologueBackwardBlocksPerSm = [0-9]*/kPrologueBackwardBlocksPerSm = $bgrid/" "$dir/kernel_prologue.cuh"
+  fi
   if [ -n "${fmin:-}" ] && [ "$fmin" != 0 ]; then
     perl -0pi -e "s/__launch_bounds__\(kPrologueThreads\)\n    rope_prologue_kernel/__launch_bounds__(kPrologueThreads, $fmin)\n    rope_prologue_kernel/" "$dir/kernel_prologue.cuh"
   fi
