@@ -44,8 +44,9 @@ constexpr int kPrologueMaxUnits = 128;  // per row: 32 lanes x 4 units
 constexpr int kPrologueForwardStages = 2;
 constexpr int kPrologueBackwardStages = 2;
 // The backward's grid: at most this many token-walking blocks per SM (one row of weight-gradient
-// partial sums each). Registers let 4 of 128 threads run at once on sm_90, so 8 is two waves:
-// a block that finishes early gives its SM to the next (tools/prologue_variants.sh times others).
+// partial sums each). Registers let 4 blocks of 128 threads run at once per SM on sm_90, so 8 is
+// two waves: a block that finishes early gives its place to the next (tools/prologue_variants.sh
+// times other counts).
 constexpr int kPrologueBackwardBlocksPerSm = 8;
 
 // Staged: 16-byte vectors and one unit per lane.

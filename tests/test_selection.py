@@ -200,9 +200,9 @@ def test_environment_is_read_through_public_apis(monkeypatch):
 
 def test_prologue_calls_go_to_the_faster_kernels_or_to_what_can_take_them(monkeypatch):
     """On a CUDA device prologue calls go to Triton, whose kernels measured faster (training
-    included); without Triton the CUDA backend takes
-    every prologue call with position tables (caches of the input's dtype or float8 included).
-    mRoPE and per-token tables go to Triton, with the CUDA backend's reason."""
+    included); without Triton the CUDA backend takes every prologue call with position tables
+    (caches of the input's dtype or float8 included). mRoPE and per-token tables go to Triton,
+    with the CUDA backend's reason."""
     from rope_ops.backend import RopeCall
     from rope_ops_backends.cuda_backend import CudaBackend
     from rope_ops_backends.triton_backend import TritonBackend

@@ -384,7 +384,7 @@ def test_qkv_prologue_autograd_through_the_backend():
 
 def test_backward_stages_fit_the_device():
     """The backward's pipeline stages step down to what one program's shared memory holds: all
-    three on an H100-sized device, fewer on one with 99 KiB a block (sm_86 / sm_89), none where
+    three on an H100-sized device (8 warps), fewer on one with 99 KiB a block (sm_86 / sm_89), none where
     one stage alone would not fit; and the policy's own configuration fits the device the test
     runs on."""
     case = Case(seed=11, lead=(4,), hq=32, hk=8, D=256)
@@ -404,7 +404,8 @@ def test_backward_stages_fit_the_device():
         cfg = tp.backward_config(args)
         stages = tp.backward_stages(args, cfg, tp.BACKWARD_STAGES)
         assert 1 <= stages <= tp.BACKWARD_STAGES
-        assert (stages - 1) * tp.staged_bytes(args, cfg) <= device.shared_memory - tp.BACKWARD_SHARED_RESERVE
+        staged = (stages - 1) * tp.staged_bytes(args, cfg)
+        assert staged <= device.shared_memory - tp.BACKWARD_SHARED_RESERVE
 
 
 def test_policy_and_candidates():
