@@ -238,15 +238,41 @@ class PrologueTests:
              "slots"),
             ({"slots": torch.zeros(n, dtype=torch.int64, device=device)}, "slots"),
             ({"inplace": 1}, "inplace"),
+            ({"q_norm": torch.ones(1, kwargs["head_dim"], device=device)}, "q_norm"),
+            ({"k_norm": torch.ones(kwargs["head_dim"], dtype=torch.int32, device=device)}, "k_norm"),
+            ({"eps": -1e-6}, "eps"),
+            ({"kv_cache": (cache, cache), "slots": torch.zeros(n, dtype=torch.int64, device=device)},
+             "overlap"),
+            ({"kv_cache": (qkv[:, : cache[0].numel()].unflatten(-1, cache.shape[1:]),
+                           cache.new_zeros(n, *cache.shape[1:])),
+              "slots": torch.arange(n, device=device)}, "overlaps qkv"),
+            ({"kv_cache": (cache.to(torch.int8), cache.to(torch.int8)),
+              "slots": torch.zeros(n, dtype=torch.int64, device=device)}, "kv_cache"),
         ]
+        if pos is not None:
+            bad += [({"pos": pos.float()}, "pos"), ({"pos": pos[:-1]}, "pos")]
         if device.type == "cpu":
             bad.append(({"kv_cache": (cache, cache.clone()),
                          "slots": torch.full((n,), 8, dtype=torch.int64)}, "slots"))
         before = qkv.clone()
         for extra, named in bad:
+            call_kw = {**kwargs, **extra}
+            call_pos = call_kw.pop("pos", pos)
             with pytest.raises(RopeError, match=named):
-                rope_ops.qkv_prologue(qkv, pos, backend=backend_name, **{**kwargs, **extra})
+                rope_ops.qkv_prologue(qkv, call_pos, backend=backend_name, **call_kw)
             assert_bitwise_equal(qkv, before, f"qkv after a refused call ({named})")
+        # qkv itself malformed: integer, a last dim with stride 2, one token without its token
+        # dim; in place on elements that overlap
+        bad_qkv = [
+            (qkv.to(torch.int32), {}, "qkv"),
+            (torch.stack([qkv, qkv], -1)[..., 0], {}, "qkv"),
+            (qkv[0], {}, "qkv"),
+            (qkv[:1].expand(qkv.shape), {"inplace": True}, "qkv"),
+        ]
+        for bad_input, extra, named in bad_qkv:
+            with pytest.raises(RopeError, match=named):
+                rope_ops.qkv_prologue(bad_input, pos, backend=backend_name, **{**kwargs, **extra})
+        assert_bitwise_equal(qkv, before, "qkv after the refused calls")
         grad_qkv = qkv.detach().clone().requires_grad_(True)
         with pytest.raises(RopeError, match="inference"):
             rope_ops.qkv_prologue(grad_qkv, pos, kv_cache=(cache, cache.clone()),
