@@ -29,15 +29,16 @@ CACHE_NONE, CACHE_SAME, CACHE_SCALED, CACHE_SCALED_GRID = 0, 1, 2, 3  # prologue
 # stages its rows), fewer where the staged reads would take more than
 # BACKWARD_STAGED_BYTES_PER_WARP per warp of the program. Latency is hidden by blocks in flight,
 # not by wide blocks: a token block holds BACKWARD_STEP_BYTES of each chunk's widest piece, read
-# by at most 4 warps (8 bytes a thread). H100, triton 3.6, 2026-12-07, training step [2, 4096],
-# 32/8 heads, D 128, bf16, QK-norm, forward + backward on input sets rotated past the L2, one run
-# (NOTES.md: the table; same-bytes copy 162.0 us): 1 token, 4 warps, 2 stages, 3 programs per SM
-# 181.3 us; 4 programs 182.5; 3 stages 188.8 (at 2 programs 195.2); 2 warps 226.0; 8 warps
-# 250.8; 2 tokens at 8 warps, 2 programs 189.6. float32, head_dim 64: 94.4 us (2 warps 94.1)
-# against 97.8 for 3 stages at 2 programs.
-BACKWARD_PROGRAMS_PER_SM = 3
+# by at most 4 warps (8 bytes a thread). Training step [2, 4096], 32/8 heads, D 128, bf16,
+# QK-norm, forward + backward on input sets rotated past the L2, triton 3.6, 2026-12-07, each
+# GPU's configurations in one run (NOTES.md: the tables): 1 token, 4 warps, 2 stages took
+# 139.4 us at 4 programs per SM on an H200 (copy 115.9 us; 3 programs 149.5, 8 programs 144.3,
+# 5 or 6 programs 157-165, 3 stages 150.4), and 182.5 us at 4 programs on an H100 (copy 162.0;
+# 3 programs 181.3, 3 stages 188.8, 2 warps 226.0, 8 warps 250.8). float32, head_dim 64, H200:
+# 71.3 us at 4 programs (2 warps 70.3) against 75.3 at 3.
+BACKWARD_PROGRAMS_PER_SM = 4
 BACKWARD_STAGES = 2
-BACKWARD_STAGED_BYTES_PER_WARP = 18 * 1024  # 3 programs of 4 warps: 216 KiB of an SM's 228
+BACKWARD_STAGED_BYTES_PER_WARP = 14 * 1024  # 4 programs of 4 warps: 224 KiB of an SM's 228
 # Shared memory a backward program takes beside its staged reads, kept free under the device's
 # per-block maximum (sm_90, triton 3.9: 51.2 KiB in all for 48.1 KiB staged, 100.5 for 94.0;
 # tests/test_triton_compile.py checks the bound).
