@@ -333,6 +333,29 @@ def test_backward_is_deterministic():
         assert_bitwise_equal(a, b, name)
 
 
+@pytest.mark.parametrize("grid", ["1 per SM", "the policy's per SM", "1 per token"])
+def test_backward_any_number_of_programs(grid):
+    """The backward's result does not depend on its grid: programs walking many token blocks
+    each (under the interpreter's 2 SMs: 68 and 17) or one each (136 programs and partial rows;
+    on a 132-SM GPU the policy's 4 per SM is that grid too)."""
+    tokens = 136
+    case = Case(seed=9, lead=(tokens,), hq=1, hk=1, D=16)
+    sm = tb.device_info(case.args.qkv.device).sm_count
+    per_sm = {"1 per SM": 1, "the policy's per SM": tp.BACKWARD_PROGRAMS_PER_SM,
+              "1 per token": -(-tokens // sm)}[grid]
+    gen = torch.Generator().manual_seed(10)
+    grads = [torch.randn(tokens, 1, 16, generator=gen).to(case.dtype).to(DEVICE)
+             for _ in range(3)]
+    label = tp.backward_config(case.args)._replace(block_t=1).label()
+    launch = tp.backward_launch(case.args, *grads, label=label, programs_per_sm=per_sm)
+    assert launch.programs == min(tokens, per_sm * sm)
+    got = tp.run_prologue_backward(case.args, *grads, label=label, programs_per_sm=per_sm)
+    ref_x, ref_qw, ref_kw = reference_backward(case, grads)
+    assert_grad_close(got[0], ref_x, case.dtype, f"{grid}: d qkv")
+    assert_grad_close(got[1], ref_qw.grad, torch.float32, f"{grid}: d q_weight", rel=1e-4)
+    assert_grad_close(got[2], ref_kw.grad, torch.float32, f"{grid}: d k_weight", rel=1e-4)
+
+
 @pytest.mark.parametrize("rows,d,weights", [(600, 80, (True, True)), (257, 48, (False, True)),
                                              (3, 128, (True, False))])
 def test_weight_grad_sums(rows, d, weights):
