@@ -245,6 +245,15 @@ def reference_backward(case: Case, grads):
     return x.grad, ws["q_weight"], ws["k_weight"]
 
 
+def assert_backward_matches(got, ref, dtype, what):
+    """run_prologue_backward's (d qkv, d q_weight, d k_weight) against reference_backward's:
+    d qkv within the dtype's bound, the weights' gradients within float32's."""
+    ref_x, ref_qw, ref_kw = ref
+    assert_grad_close(got[0], ref_x, dtype, f"{what}: d qkv")
+    assert_grad_close(got[1], ref_qw.grad, torch.float32, f"{what}: d q_weight", rel=1e-4)
+    assert_grad_close(got[2], ref_kw.grad, torch.float32, f"{what}: d k_weight", rel=1e-4)
+
+
 # name -> (Case keywords, which gradients are given: q, k, v; label)
 BACKWARD_CASES = {
     "qwen3 thd bf16, blocks of tokens per program": (dict(lead=(37,)), "qkv",
@@ -297,17 +306,13 @@ def test_backward_candidates_all_match_the_reference():
     assert len(set(cands)) == len(cands) >= 5
     gen = torch.Generator().manual_seed(8)
     grads = [torch.randn(9, h, 32, generator=gen).to(case.dtype).to(DEVICE) for h in (4, 2, 2)]
-    ref_x, ref_qw, ref_kw = reference_backward(case, grads)
+    ref = reference_backward(case, grads)
     for cand in cands:
         cfg = tb.parse_label(cand.label)
         assert tp.backward_stages(case.args, cfg, cand.stages) == cand.stages
         got = tp.run_prologue_backward(case.args, *grads, label=cand.label,
                                        programs_per_sm=cand.programs_per_sm, stages=cand.stages)
-        assert_grad_close(got[0], ref_x, case.dtype, f"{cand.describe()}: d qkv")
-        assert_grad_close(got[1], ref_qw.grad, torch.float32, f"{cand.describe()}: d q_weight",
-                          rel=1e-4)
-        assert_grad_close(got[2], ref_kw.grad, torch.float32, f"{cand.describe()}: d k_weight",
-                          rel=1e-4)
+        assert_backward_matches(got, ref, case.dtype, cand.describe())
 
 
 def test_backward_zero_stride_gradients():
@@ -317,10 +322,8 @@ def test_backward_zero_stride_gradients():
     g_q = torch.full((), 0.75).to(case.dtype).to(DEVICE).expand(2, 4, 2, 32)
     g_k = torch.randn(2, 4, 32, 2).to(case.dtype).to(DEVICE).transpose(-1, -2)
     got = tp.run_prologue_backward(case.args, g_q, g_k, None)
-    ref_x, ref_qw, ref_kw = reference_backward(case, [g_q, g_k, None])
-    assert_grad_close(got[0], ref_x, case.dtype, "d qkv")
-    assert_grad_close(got[1], ref_qw.grad, torch.float32, "d q_weight", rel=1e-4)
-    assert_grad_close(got[2], ref_kw.grad, torch.float32, "d k_weight", rel=1e-4)
+    assert_backward_matches(got, reference_backward(case, [g_q, g_k, None]), case.dtype,
+                            "strides 0 and transposed")
 
 
 def test_backward_is_deterministic():
@@ -350,10 +353,7 @@ def test_backward_any_number_of_programs(grid):
     launch = tp.backward_launch(case.args, *grads, label=label, programs_per_sm=per_sm)
     assert launch.programs == min(tokens, per_sm * sm)
     got = tp.run_prologue_backward(case.args, *grads, label=label, programs_per_sm=per_sm)
-    ref_x, ref_qw, ref_kw = reference_backward(case, grads)
-    assert_grad_close(got[0], ref_x, case.dtype, f"{grid}: d qkv")
-    assert_grad_close(got[1], ref_qw.grad, torch.float32, f"{grid}: d q_weight", rel=1e-4)
-    assert_grad_close(got[2], ref_kw.grad, torch.float32, f"{grid}: d k_weight", rel=1e-4)
+    assert_backward_matches(got, reference_backward(case, grads), case.dtype, grid)
 
 
 @pytest.mark.parametrize("rows,d,weights", [(600, 80, (True, True)), (257, 48, (False, True)),
