@@ -679,16 +679,16 @@ def prologue_fns(inp: PrologueInputs, label=None, max_registers="policy", backwa
     from rope_ops_backends.triton_backend import prologue as tp
 
     cap = tp.PROLOGUE_MAX_REGISTERS if max_registers == "policy" else max_registers
+    # the backward's configuration: the candidate's, else the forward's label (None: the policy)
+    bwd_label, stages, per_sm = (label, None, None) if backward is None else backward
+    fwd_label = label if backward is None else None
     fns = []
     for args, grads in inp.sets:
-        if inp.pc.backward and backward is not None:
+        if inp.pc.backward:
             fns.append(lambda a=args, g=grads: (
-                tp.run_prologue(a, None, cap),
-                tp.run_prologue_backward(a, *g, backward.label, cap, backward.programs_per_sm,
-                                         backward.stages)))
-        elif inp.pc.backward:
-            fns.append(lambda a=args, g=grads: (tp.run_prologue(a, label, cap),
-                                                tp.run_prologue_backward(a, *g, label, cap)))
+                tp.run_prologue(a, fwd_label, cap),
+                tp.run_prologue_backward(a, *g, bwd_label, cap, programs_per_sm=per_sm,
+                                         stages=stages)))
         else:
             fns.append(lambda a=args: tp.run_prologue(a, label, cap))
     return fns
