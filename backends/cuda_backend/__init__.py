@@ -198,14 +198,11 @@ class CudaBackend(Backend):
     BELOW_TRITON = 5
 
     def priority_for(self, call: RopeCall) -> int:
-        # Fused prologue calls rank below Triton: on the H100 (csrc/NOTES.md's table) Triton's
-        # prologue took 143.6 us against 143.7 on a Qwen3-8B-like prefill, 123.4 against 128.4
-        # in place, 5.08 against 5.51 on a 256-token decode with a cache write and 97.0 against
-        # 104.3 on an fp32 head_dim-64 training step; on the bf16 training step (forward +
-        # backward) its backward policy took 181.3 us where the one before it took 195.5 in the
-        # same run, and these kernels 194.9 against that one's 197.9 in another
-        # (backends/triton_backend/NOTES.md). (The H200 ranked them so with the kernels before
-        # staging.)
+        # Fused prologue calls rank below Triton, whose prologue measured faster in every case on
+        # the H200 (csrc/NOTES.md's tables: 106.9 us against 120.2 on a Qwen3-8B-like prefill,
+        # 148.4 against 173.2 on the bf16 training step, 4.54 against 4.93 on a 256-token decode
+        # with a cache write); on the H100 they tied on the prefill (143.6 against 143.7) and
+        # the training step (194.7 against 192.3), Triton faster on the decode (5.08 against 5.51).
         if call.op == "prologue":
             return self.BELOW_TRITON
         # Interleaved mRoPE (Qwen3-VL) ranks below Triton: on the H200 these kernels took 50.2 us
